@@ -1,0 +1,68 @@
+"""The attention function registered with transformers' ``AttentionInterface`` as ``"rcr"``.
+
+transformers calls it after ``cache.update`` and before attention, with the post-RoPE query of the
+current token: exactly where drift is measured and slots are re-selected. The function itself is a thin
+dispatcher: the object passed as the ``rcr_hook`` forward kwarg (transformers forwards extra kwargs down
+to the attention call) does the work. Without a hook it is plain SDPA, so a model left on ``"rcr"`` still
+behaves normally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "rcr"
+
+
+def rcr_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    hook = kwargs.pop("rcr_hook", None)
+    if hook is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    return hook(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+# Registration is idempotent; the mask function must be registered under the same name, or transformers
+# silently builds no mask for the prefill.
+AttentionInterface.register(NAME, rcr_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor | None,
+           scaling: float, causal_tail: int = 0) -> torch.Tensor:
+    """SDPA over resident slots. query (B, Hq, q, d); keys/values (B, Hkv, n, d); slot_valid (B, Hkv, n).
+
+    ``causal_tail``: the last ``q`` slots are the queries' own keys and are causally masked (teacher-forced
+    passes); 0 for one-token decode. Returns (B, q, Hq, d), the layout transformers expects.
+    """
+    B, Hq, q, _ = query.shape
+    G = Hq // keys.shape[1]
+    mask = None
+    if slot_valid is not None:
+        mask = slot_valid.repeat_interleave(G, dim=1).unsqueeze(2)  # (B, Hq, 1, n)
+    if causal_tail:
+        n = keys.shape[2]
+        causal = torch.ones(q, n, dtype=torch.bool, device=query.device)
+        causal[:, n - q:] = torch.ones(q, q, dtype=torch.bool, device=query.device).tril()
+        mask = causal if mask is None else mask & causal
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
+@contextlib.contextmanager
+def rcr_attention_enabled(model):
+    """Route the text model's attention through ``"rcr"`` for the duration; the vision tower is untouched.
+    Restores the previous implementation on exit."""
+    text_cfg = model.config.get_text_config()
+    previous = text_cfg._attn_implementation
+    model.set_attn_implementation({"text_config": NAME})
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation({"text_config": previous})

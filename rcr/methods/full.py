@@ -1,0 +1,18 @@
+"""``full``: the uncompressed reference. Every prefix entry is resident, in its original order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Method
+
+
+@dataclass
+class Full(Method):
+    name = "full"
+
+    def initial_scores(self, ctx, layer):
+        return None  # keep the whole prefix
+
+    def n_selected(self, prefix) -> int:
+        return prefix.n_prefix

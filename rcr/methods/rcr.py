@@ -1,0 +1,116 @@
+"""``rcr``: Rate-Controlled Refresh (spec §3), and ``fixed``, the same with a constant threshold (§3.6).
+
+Per decode layer-step, before attention, with the current post-RoPE query q:
+1. drift = attention mass on evicted prefix entries, with approximate logits (rank-r detector) for the
+   evicted and exact logits for the resident entries: sigmoid(LSE(z~_evicted) - LSE(z_resident)),
+   averaged over the G query heads and the KV heads of the layer.
+2. trigger = drift > tau.
+3. Candidates, computed in every layer: the detector's top-C prefix entries (kept and evicted alike),
+   re-scored exactly with their keys; the top S are the new selection (C key + S value reads).
+4. The base merges under the trigger with torch.where; tau is updated by the rate controller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..controller import RateController
+from ..detector import Detector
+from ..scoring import group_queries, logits, masked_lse, reduce_heads, top_sorted
+from .base import Decision, Method, StepContext
+
+
+@dataclass
+class RCRState:
+    detectors: list[Detector]  # one per layer
+    tau: torch.Tensor  # (B,) shared by all layers of a sample, or (B, L) per layer
+    n_valid_prefix: torch.Tensor  # (B,) valid prefix entries, for the detector cost counter
+
+
+@dataclass
+class RCR(Method):
+    name = "rcr"
+    reselects = True
+
+    @property
+    def controller(self) -> RateController:
+        c = self.config
+        return RateController(tau0=c.tau0, step=c.step, rho=c.rho)
+
+    def tau_shape(self, prefix) -> tuple[int, ...]:
+        return (prefix.batch_size,)
+
+    def init_state(self, prefix) -> RCRState:
+        dets = []
+        for layer in range(len(prefix.layers)):
+            k_p, _ = prefix.prefix_kv(layer)
+            dets.append(Detector.build(k_p, prefix.prefix_valid, self.config.rank))
+        return RCRState(detectors=dets, tau=self.initial_tau(prefix),
+                        n_valid_prefix=prefix.prefix_valid.sum(-1).float())
+
+    def initial_tau(self, prefix) -> torch.Tensor:
+        return self.controller.init(self.tau_shape(prefix), prefix.valid.device)
+
+    # the threshold of this layer, and its update: the only differences between rcr, fixed and rcr_layer
+    def current_tau(self, state: RCRState, layer: int) -> torch.Tensor:
+        return state.tau
+
+    def update_tau(self, state: RCRState, layer: int, f: torch.Tensor) -> None:
+        state.tau = self.controller.update(state.tau, f)
+
+    def decide(self, ctx: StepContext) -> Decision:
+        p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
+        det = st.detectors[ctx.layer]
+        k_p, _ = p.prefix_kv(ctx.layer)
+        qg = group_queries(ctx.query, p.n_kv_heads)  # (B, Hkv, G, d)
+        valid_p = p.prefix_valid.unsqueeze(1)  # (B, 1, Np)
+
+        # 1. estimated drift: exact on resident slots, approximate on evicted prefix entries
+        lse_res = masked_lse(logits(qg, res.resident_keys, p.scaling), res.resident_valid)  # (B, Hkv, G)
+        approx = det.approx_logits(qg, p.scaling)  # (B, Hkv, G, Np)
+        lse_ev = masked_lse(approx, res.evicted_mask())
+        drift_h = torch.sigmoid(lse_ev - lse_res).mean(-1)  # (B, Hkv)
+        drift = drift_h.mean(-1)  # (B,)
+
+        # 2. trigger against this sample's threshold
+        tau = self.current_tau(st, ctx.layer)
+        if cfg.controller_signal == "heads":
+            trigger = drift_h > tau.unsqueeze(-1)  # (B, Hkv): per-head refresh
+        else:
+            trigger = drift > tau  # (B,): one decision per layer
+
+        # 3. candidates: detector top-C over the whole prefix, exact re-scoring, keep top S
+        n_cand = min(cfg.candidates, p.n_prefix)
+        cand = top_sorted(reduce_heads(approx, valid_p, cfg.head_reduction), n_cand)  # (B, Hkv, C)
+        k_c = torch.gather(k_p, 2, cand.unsqueeze(-1).expand(*cand.shape, k_p.shape[-1]))
+        cand_valid = torch.gather(valid_p.expand(*cand.shape[:2], p.n_prefix), 2, cand)
+        exact = reduce_heads(logits(qg, k_c, p.scaling), cand_valid, cfg.head_reduction)  # (B, Hkv, C)
+        sel = torch.gather(cand, 2, top_sorted(exact, res.n_selected))  # back to prefix indices, ascending
+
+        # 4. controller: f is the layer's realised refresh (fraction of KV heads in "heads" mode)
+        f = trigger.float().mean(-1) if trigger.dim() == 2 else trigger.float()
+        self.update_tau(st, ctx.layer, f)
+        return Decision(trigger=trigger, selection=sel, drift=drift, tau=tau,
+                        detector_dots=st.n_valid_prefix * (det.rank / p.head_dim), **self.cost_model(p))
+
+    def cost_model(self, prefix) -> dict:
+        return {"keys_per_refresh": min(self.config.candidates, prefix.n_prefix),
+                "values_per_refresh": self.n_selected(prefix)}
+
+
+@dataclass
+class Fixed(RCR):
+    """Drift-triggered refresh with a constant threshold (``config.fixed_tau``, or ``tau`` when given,
+    e.g. the sweep label ``fixed@0.05``)."""
+
+    name = "fixed"
+    tau: float | None = None
+
+    def initial_tau(self, prefix) -> torch.Tensor:
+        tau = self.config.fixed_tau if self.tau is None else self.tau
+        return torch.full(self.tau_shape(prefix), float(tau), device=prefix.valid.device)
+
+    def update_tau(self, state, layer, f) -> None:
+        pass

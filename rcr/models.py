@@ -1,0 +1,131 @@
+"""What differs between the supported model families: where the text layers are, true positions, prompts.
+
+Families: Qwen2-VL and Qwen3-VL (M-RoPE: three position rows, from ``get_rope_index``), LLaVA-NeXT with a
+Mistral backbone (1-D positions). Everything else in ``rcr`` is family-agnostic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PROMPTS = {
+    "detailcaps": "Describe this image in detail.",
+    "textcaps": "Provide a one-sentence caption for the provided image.",
+    "video": "Describe what happens in this video.",
+}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+def _text_layers(model):
+    lm = getattr(model.model, "language_model", None) or model.model
+    return lm.layers
+
+
+def geometry(model) -> Geometry:
+    layers = _text_layers(model)
+    attn = layers[0].self_attn
+    cfg = model.config.get_text_config()
+    return Geometry(n_layers=len(layers), n_q_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
+                    head_dim=attn.head_dim, scaling=float(attn.scaling))
+
+
+class Adapter:
+    """Family interface: positions for the prefill and for tokens generated after it."""
+
+    model_types: tuple[str, ...] = ()
+
+    def prefill_positions(self, model, inputs) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Returns (position_ids for the prefill forward, next_position (B,): the true position of the first
+        generated token)."""
+        raise NotImplementedError
+
+    def positions(self, start: torch.Tensor, length: int) -> torch.Tensor:
+        """True positions of ``length`` consecutive new tokens starting at ``start`` (B,)."""
+        raise NotImplementedError
+
+
+class QwenVLAdapter(Adapter):
+    model_types = ("qwen2_vl", "qwen3_vl")
+
+    def prefill_positions(self, model, inputs):
+        mask = inputs["attention_mask"].bool()
+        pos, _ = model.model.get_rope_index(
+            inputs["input_ids"], mm_token_type_ids=inputs.get("mm_token_type_ids"),
+            image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=inputs.get("video_grid_thw"),
+            attention_mask=inputs["attention_mask"])  # (3, B, N)
+        nxt = pos.masked_fill(~mask.unsqueeze(0), -1).amax(dim=(0, 2)) + 1  # (B,)
+        return pos, nxt
+
+    def positions(self, start, length):
+        p = start.view(-1, 1) + torch.arange(length, device=start.device)  # (B, q)
+        return p.unsqueeze(0).expand(3, -1, -1)  # text tokens: the three M-RoPE rows are equal
+
+
+class LlavaNextAdapter(Adapter):
+    model_types = ("llava_next",)
+
+    def prefill_positions(self, model, inputs):
+        mask = inputs["attention_mask"].long()
+        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        return pos, mask.sum(-1)
+
+    def positions(self, start, length):
+        return start.view(-1, 1) + torch.arange(length, device=start.device)
+
+
+ADAPTERS = (QwenVLAdapter(), LlavaNextAdapter())
+SUPPORTED = tuple(t for a in ADAPTERS for t in a.model_types)
+
+
+def adapter_for(model) -> Adapter:
+    mt = model.config.model_type
+    for a in ADAPTERS:
+        if mt in a.model_types:
+            return a
+    raise ValueError(f"model_type={mt!r} is not supported; supported families: {list(SUPPORTED)}")
+
+
+# --- loading and prompts (real checkpoints by name, or local directories laid out the same way) ---
+
+def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str = "auto",
+         trust_remote_code: bool = False, local_files_only: bool | None = None):
+    """Load (model, processor) for a supported family. ``trust_remote_code`` stays off unless asked for."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    kw = dict(trust_remote_code=trust_remote_code)
+    if local_files_only is not None:
+        kw["local_files_only"] = local_files_only
+    cfg = AutoConfig.from_pretrained(name_or_path, **kw)
+    if cfg.model_type not in SUPPORTED:
+        raise ValueError(f"model={name_or_path!r}: model_type {cfg.model_type!r} is not supported; "
+                         f"supported families: {list(SUPPORTED)}")
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, **kw).to(device).eval()
+    processor = AutoProcessor.from_pretrained(name_or_path, **kw)
+    processor.tokenizer.padding_side = "left"  # batched decode needs left padding
+    return model, processor
+
+
+def build_inputs(processor, prompts: list[str], images: list[list], video: bool = False):
+    """Chat-formatted, left-padded processor inputs. ``images[i]`` is sample i's list of PIL images (the frames
+    of a video when ``video``)."""
+    texts = []
+    for prompt, imgs in zip(prompts, images):
+        media = [{"type": "video"}] if video else [{"type": "image"} for _ in imgs]
+        msgs = [{"role": "user", "content": [*media, {"type": "text", "text": prompt}]}]
+        texts.append(processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+    processor.tokenizer.padding_side = "left"
+    if video:
+        return processor(text=texts, videos=[list(f) for f in images], return_tensors="pt", padding=True)
+    return processor(text=texts, images=[list(f) for f in images], return_tensors="pt", padding=True)

@@ -1,0 +1,62 @@
+"""Per-sample decode telemetry, preallocated on the device and copied to the host once per decode.
+
+Buffers are (B, L, T): batch, decoder layers, decode steps. Writes index with Python ints only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+FIELDS_FLOAT = ("drift", "tau", "trigger", "keys_read", "values_read", "detector_dots")
+
+
+class Telemetry:
+    """Device-side recorder. ``trigger`` holds the fraction of the layer's KV heads that refreshed
+    (exactly 0 or 1 with the default per-layer trigger); read counts are per KV head and count only reads a
+    refresh needs (the deployment accounting; GPU-only masked merges issue them every step)."""
+
+    def __init__(self, batch: int, layers: int, steps: int, device, exact_drift: bool, record_attention: bool):
+        def buf(dtype=torch.float32, fill=0.0):
+            return torch.full((batch, layers, steps), fill, dtype=dtype, device=device)
+
+        self.drift = buf(fill=float("nan"))  # estimated drift (NaN: method has no detector)
+        self.tau = buf(fill=float("nan"))
+        self.trigger = buf()
+        self.keys_read = buf()
+        self.values_read = buf()
+        self.detector_dots = buf()
+        self.drift_exact = buf(fill=float("nan")) if exact_drift else None
+        self.top_prefix_pos = buf(torch.int32, -1) if record_attention else None
+
+    def record_decision(self, layer: int, step: int, d) -> None:
+        trig = d.trigger.float()
+        frac = trig.mean(-1) if trig.dim() == 2 else trig  # (B,)
+        self.trigger[:, layer, step] = frac
+        self.keys_read[:, layer, step] = frac * d.keys_per_refresh
+        self.values_read[:, layer, step] = frac * d.values_per_refresh
+        if d.drift is not None:
+            self.drift[:, layer, step] = d.drift
+        if d.tau is not None:
+            self.tau[:, layer, step] = d.tau
+        if d.detector_dots is not None:
+            self.detector_dots[:, layer, step] = d.detector_dots
+
+    def to_host(self) -> "HostTelemetry":
+        names = FIELDS_FLOAT + ("drift_exact", "top_prefix_pos")
+        return HostTelemetry(**{n: (None if getattr(self, n) is None else getattr(self, n).cpu().numpy())
+                                for n in names})
+
+
+@dataclass
+class HostTelemetry:
+    drift: np.ndarray  # (B, L, T) float32
+    tau: np.ndarray
+    trigger: np.ndarray
+    keys_read: np.ndarray
+    values_read: np.ndarray
+    detector_dots: np.ndarray
+    drift_exact: np.ndarray | None = None
+    top_prefix_pos: np.ndarray | None = None  # (B, L, T) int32, in the sample's own (unpadded) coordinates

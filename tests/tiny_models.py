@@ -1,0 +1,157 @@
+"""Tiny random-weight models of the three supported families, built from configs (no downloads).
+
+Each factory returns ``(model, processor)`` in eval mode on CPU, fp32. Sizes follow
+spec/transformers-notes.md ("Tiny models from configs"); they are small enough that a 20-token decode of
+every method on all three families runs in seconds on 2 cores.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+WORDS = [f"w{i}" for i in range(96)]
+QWEN_SPECIAL = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} "
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}{IMAGE}"
+    "{% else %}{{ c['text'] }} {% endif %}{% endfor %}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def _tokenizer(extra: list[str], special: dict[str, str]) -> PreTrainedTokenizerFast:
+    vocab_list = ["<pad>", "<eos>", "<bos>", "<unk>", "<|im_start|>", "<|im_end|>", *extra, *WORDS,
+                  "user", "assistant", "system"]
+    vocab = {w: i for i, w in enumerate(vocab_list)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>",
+        extra_special_tokens=special,
+    )
+    fast.padding_side = "left"
+    return fast
+
+
+def random_image(seed: int, size: int = 112) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
+
+
+def random_prompt(seed: int, n_words: int) -> str:
+    rng = np.random.default_rng(seed + 1000)
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), n_words))
+
+
+def _ids(tok) -> dict:
+    return dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+def _qwen_tokenizer():
+    return _tokenizer(QWEN_SPECIAL, {
+        "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+        "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
+    })
+
+
+@functools.lru_cache(maxsize=None)
+def qwen2_vl(seed: int = 0):
+    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
+                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+
+    tok = _qwen_tokenizer()
+    cfg = Qwen2VLConfig(
+        text_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=4096, **_ids(tok),
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [6, 5, 5]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    ip = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=448 * 448)
+    proc = Qwen2VLProcessor(image_processor=ip, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
+                            chat_template=CHAT_TEMPLATE.replace(
+                                "{IMAGE}", "<|vision_start|> <|image_pad|> <|vision_end|> "))
+    return model, proc
+
+
+@functools.lru_cache(maxsize=None)
+def qwen3_vl(seed: int = 0):
+    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+
+    tok = _qwen_tokenizer()
+    cfg = Qwen3VLConfig(
+        text_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=len(tok), max_position_embeddings=4096, **_ids(tok),
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [6, 5, 5],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
+                           deepstack_visual_indexes=[0], num_position_embeddings=64),
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(cfg).eval()
+    ip = Qwen2VLImageProcessor(min_pixels=64 * 64, max_pixels=512 * 512, patch_size=16,
+                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    proc = Qwen3VLProcessor(image_processor=ip, tokenizer=tok, video_processor=Qwen3VLVideoProcessor(),
+                            chat_template=CHAT_TEMPLATE.replace(
+                                "{IMAGE}", "<|vision_start|> <|image_pad|> <|vision_end|> "))
+    return model, proc
+
+
+@functools.lru_cache(maxsize=None)
+def llava_next(seed: int = 0):
+    from transformers import (CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessor, LlavaNextProcessor, MistralConfig)
+
+    tok = _tokenizer(["<image>"], {"image_token": "<image>"})
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=56, patch_size=14)
+    text = MistralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=4096,
+                         sliding_window=None, head_dim=32, **_ids(tok))
+    cfg = LlavaNextConfig(vision_config=vision, text_config=text, image_grid_pinpoints=[[56, 56], [56, 112]],
+                          vision_feature_layer=-1, vision_feature_select_strategy="default",
+                          image_token_index=tok.convert_tokens_to_ids("<image>"),
+                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(cfg).eval()
+    ip = LlavaNextImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
+                                 image_grid_pinpoints=[[56, 56], [56, 112]])
+    proc = LlavaNextProcessor(image_processor=ip, tokenizer=tok, patch_size=14, num_additional_image_tokens=1,
+                              vision_feature_select_strategy="default",
+                              chat_template=CHAT_TEMPLATE.replace("{IMAGE}", "<image> "))
+    return model, proc
+
+
+FAMILIES = {"qwen2_vl": qwen2_vl, "qwen3_vl": qwen3_vl, "llava_next": llava_next}
+
+
+def batch_inputs(processor, n_words: list[int], image_size: int = 112, seed: int = 0):
+    """A left-padded batch: sample i has ``n_words[i]`` prompt words and one random image."""
+    texts, images = [], []
+    for i, n in enumerate(n_words):
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": random_prompt(seed + i, n)}]}]
+        texts.append(processor.apply_chat_template(msgs, add_generation_prompt=True))
+        images.append(random_image(seed + i, image_size))
+    processor.tokenizer.padding_side = "left"
+    return processor(text=texts, images=images, return_tensors="pt", padding=True)

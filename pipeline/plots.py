@@ -1,0 +1,208 @@
+"""Matplotlib (Agg) PNGs of a job's analysis. Driver side; no display needed.
+
+:func:`make_plots` ``(df, analysis, out_dir) -> list[Path]`` writes:
+
+* ``fidelity_ci.png``: fidelity mean with its 95% CI per method (one panel per model);
+* ``tau_refresh.png``: tau and the refresh fraction over decode steps for a few ``rcr`` samples;
+* ``drift_heatmap.png``: mean drift per layer x step (``rcr`` rows, else any drift-detector method);
+* ``frontier.png``: fidelity against realised refresh fraction across methods, the tau sweep and ``rcr``.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg", force=True)
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from pipeline.metrics import (RCR, FIXED, Analysis, Col, _as_2d, _model_series, _ok_rows,  # noqa: E402
+                              order_methods, parse_sweep_tau)
+
+__all__ = ["make_plots", "plot_fidelity", "plot_tau_refresh", "plot_drift_heatmap", "plot_frontier"]
+
+
+def _models(analysis: Analysis) -> list[str]:
+    return list(analysis.meta.get("models") or [""])
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_fidelity(analysis: Analysis, path: Path) -> Path:
+    models = _models(analysis)
+    fig, axes = plt.subplots(len(models), 1, figsize=(8, 3.6 * len(models)), squeeze=False)
+    conf = int(round(analysis.meta.get("confidence", 0.95) * 100))
+    for ax, model in zip(axes[:, 0], models):
+        g = analysis.methods[analysis.methods.model == model].dropna(subset=["fidelity"])
+        g = g.set_index("method").loc[order_methods(g.method)]
+        x = np.arange(len(g))
+        lo = (g.fidelity - g.fidelity_ci_low).clip(lower=0).to_numpy()
+        hi = (g.fidelity_ci_high - g.fidelity).clip(lower=0).to_numpy()
+        colors = ["tab:red" if m == RCR else ("tab:gray" if m == "full" else "tab:blue") for m in g.index]
+        ax.bar(x, g.fidelity, color=colors, alpha=0.75)
+        ax.errorbar(x, g.fidelity, yerr=[lo, hi], fmt="none", ecolor="black", capsize=4, lw=1.2)
+        for xi, v in zip(x, g.fidelity):
+            ax.text(xi, min(v + 0.02, 1.02), f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, g.index, rotation=30, ha="right")
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("fidelity (ROUGE-L F1 vs full)")
+        ax.set_title(f"{model or 'model'}: mean fidelity with {conf}% paired-bootstrap CI "
+                     f"(n={int(g.n.max()) if len(g) else 0})")
+        ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def _pick_samples(d: pd.DataFrame, k: int) -> list[int]:
+    """Up to k row positions spread over output length (shortest, median, longest...)."""
+    if d.empty:
+        return []
+    order = d.assign(_len=pd.to_numeric(d.get(Col.N_STEPS, 0), errors="coerce").fillna(0)).sort_values(
+        ["_len", Col.SAMPLE_ID]).index.to_list()
+    if len(order) <= k:
+        return order
+    pos = np.linspace(0, len(order) - 1, k).round().astype(int)
+    return [order[p] for p in pos]
+
+
+def plot_tau_refresh(df: pd.DataFrame, path: Path, method: str = RCR, n_samples: int = 4,
+                     rho: float | None = None, model: str | None = None) -> Path | None:
+    d = _ok_rows(df)
+    d = d[d[Col.METHOD] == method]
+    if model is not None:
+        d = d[_model_series(d) == model]
+    if d.empty or Col.TAU not in d or Col.TRIGGER not in d:
+        return None
+    picks = _pick_samples(d, n_samples)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for idx in picks:
+        r = d.loc[idx]
+        tau = _as_2d(r[Col.TAU], float)
+        trig = _as_2d(r[Col.TRIGGER], float)
+        if tau is None or trig is None:
+            continue
+        L, T = tau.shape
+        # decode order: step t runs layers 0..L-1, and tau is carried from layer to layer
+        xs = (np.arange(T)[None, :] + np.arange(L)[:, None] / L).T.ravel()
+        line, = ax1.plot(xs, tau.T.ravel(), lw=1, label=f"{r[Col.SAMPLE_ID]} ({T} steps)")
+        per_step = np.nanmean(trig, 0)
+        cum = np.cumsum(per_step) / np.arange(1, T + 1)
+        ax2.plot(np.arange(T), cum, color=line.get_color(), lw=1.5)
+        ax2.plot(np.arange(T), per_step, color=line.get_color(), lw=0.6, alpha=0.4)
+    if rho is not None:
+        ax2.axhline(rho, color="black", ls="--", lw=1, label=f"target rho = {rho:g}")
+        ax2.legend(loc="upper right", fontsize=8)
+    ax1.set_ylabel("tau")
+    ax1.set_yscale("log")
+    ax1.legend(fontsize=8)
+    ax1.set_title(f"{method}: threshold tau per layer-step, for {len(picks)} samples")
+    ax2.set_ylabel("refresh fraction")
+    ax2.set_xlabel("decode step")
+    ax2.set_ylim(-0.02, 1.02)
+    ax2.set_title("refresh fraction: running (thick) and per step over layers (thin)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_drift_heatmap(df: pd.DataFrame, path: Path, methods=(RCR, FIXED), max_steps: int = 512,
+                       model: str | None = None) -> Path | None:
+    d = _ok_rows(df)
+    if model is not None:
+        d = d[_model_series(d) == model]
+    for method in list(methods) + sorted(set(d[Col.METHOD]) - set(methods)):
+        g = d[d[Col.METHOD] == method]
+        if Col.DRIFT not in g:
+            return None
+        mats = [a for a in (_as_2d(x, float) for x in g[Col.DRIFT]) if a is not None and a.size]
+        if mats:
+            break
+    else:
+        return None
+    L = max(a.shape[0] for a in mats)
+    T = min(max(a.shape[1] for a in mats), max_steps)
+    acc = np.full((len(mats), L, T), np.nan)
+    for i, a in enumerate(mats):
+        acc[i, : a.shape[0], : min(a.shape[1], T)] = a[:, :T]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(acc, 0)
+    fig, ax = plt.subplots(figsize=(10, max(2.5, 0.25 * L + 1.5)))
+    im = ax.imshow(mean, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest")
+    fig.colorbar(im, ax=ax, label="mean drift (attention mass on evicted prefix)")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("layer")
+    ax.set_title(f"{method}: drift per layer x step, mean over {len(mats)} samples")
+    return _save(fig, path)
+
+
+def plot_frontier(analysis: Analysis, path: Path) -> Path | None:
+    f = analysis.frontier
+    if f.empty:
+        return None
+    models = _models(analysis)
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        g = f[f.model == model]
+        sw = g[g.kind == "sweep"].sort_values("refresh_fraction")
+        fx = g[g.method == FIXED]
+        if not fx.empty and not sw.empty:  # the plain `fixed` method is a sweep point too
+            sw = pd.concat([sw, fx]).sort_values("refresh_fraction")
+        if not sw.empty:
+            yerr = [(sw.fidelity - sw.fidelity_ci_low).clip(lower=0), (sw.fidelity_ci_high - sw.fidelity).clip(lower=0)]
+            ax.errorbar(sw.refresh_fraction, sw.fidelity, yerr=yerr, fmt="o-", color="tab:blue", capsize=3,
+                        label="fixed tau sweep")
+            for _, r in sw.iterrows():
+                tau = r.tau if pd.notna(r.tau) else parse_sweep_tau(r.method)
+                if tau is not None and pd.notna(tau):
+                    ax.annotate(f"tau={tau:g}", (r.refresh_fraction, r.fidelity), textcoords="offset points",
+                                xytext=(5, -12), fontsize=8, color="tab:blue")
+        for _, r in g[g.kind != "sweep"].iterrows():
+            if r.method == FIXED and not sw.empty:
+                continue
+            is_rcr = r.method == RCR
+            ax.errorbar([r.refresh_fraction], [r.fidelity],
+                        yerr=[[max(r.fidelity - r.fidelity_ci_low, 0)], [max(r.fidelity_ci_high - r.fidelity, 0)]],
+                        fmt="*" if is_rcr else "s", ms=14 if is_rcr else 6, capsize=3,
+                        color="tab:red" if is_rcr else "tab:gray")
+            ax.annotate(r.method, (r.refresh_fraction, r.fidelity), textcoords="offset points", xytext=(6, 4),
+                        fontsize=9, color="tab:red" if is_rcr else "black")
+        ax.set_xlabel("realised refresh fraction (of layer-steps)")
+        ax.set_ylabel("fidelity (ROUGE-L F1 vs full)")
+        ax.set_xlim(-0.05, 1.05)
+        ax.set_title(f"{model or 'model'}: cost / quality frontier")
+        ax.grid(alpha=0.3)
+        if not sw.empty:
+            ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, path)
+
+
+def make_plots(df: pd.DataFrame, analysis: Analysis, out_dir: str | os.PathLike, rho: float | None = None,
+               n_samples: int = 4) -> list[Path]:
+    """Write all PNGs into ``out_dir`` (one set; per-model panels where it matters). Returns their paths.
+
+    ``df`` is the raw output rows (for the telemetry lists), ``analysis`` from :func:`pipeline.metrics.analyze`.
+    A plot whose inputs are missing (e.g. no ``rcr`` rows) is skipped, never an error.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [plot_fidelity(analysis, out / "fidelity_ci.png"), plot_frontier(analysis, out / "frontier.png")]
+    models = _models(analysis)
+    for model in models:
+        suffix = "" if len(models) == 1 else f"_{_slug(model)}"
+        m = model if len(models) > 1 else None
+        paths.append(plot_tau_refresh(df, out / f"tau_refresh{suffix}.png", rho=rho, n_samples=n_samples, model=m))
+        paths.append(plot_drift_heatmap(df, out / f"drift_heatmap{suffix}.png", model=m))
+    return [p for p in paths if p is not None]
+
+
+def _slug(s: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in s)[:60] or "model"

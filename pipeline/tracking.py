@@ -1,0 +1,445 @@
+"""MLflow logging of a finished job. Driver side only: actors never talk to MLflow (SQLite does not
+tolerate concurrent writers), and nothing here runs inside Ray tasks.
+
+Public entry point (stable)::
+
+    log_job(df, config, tracking_uri="sqlite:///mlflow.db", experiment="rcr-eval", job_name=None,
+            artifacts_dir=None, *, analysis=None, output_dir=None, ...) -> parent_run_id
+
+What it writes, per job:
+
+* one **parent run** (``rcr.role=parent``): params (the flattened config, model, dataset, git commit,
+  metric definitions, bootstrap settings), the config as ``config.json``, the dataset as an MLflow
+  dataset input, the summary table as the run's description, parent-level metrics (counts, top-position
+  stability, Spearman correlations), and artifacts: ``plots/*.png``, ``tables/per_sample.parquet`` (+csv),
+  ``tables/{methods,terciles,correlations,stability,frontier,errors}.csv``, ``summary.txt``;
+* one **child run per method** (per (model, method) when a job has several models), tagged
+  ``mlflow.parentRunId``: ``fidelity``, ``fidelity_ci_low``, ``fidelity_ci_high``, ``diff_bacon`` /
+  ``diff_rcr`` with ``_ci_low`` / ``_ci_high``, ``refresh_fraction`` (+CI), ``keys_read_per_step``,
+  ``values_read_per_step``, ``reads_per_step``, ``detector_dots_per_step``, ``tokens_per_s``, reference
+  metrics (+CI), tercile metrics, and ``refresh_rate_by_step`` / ``tau_mean_by_step`` as step histories.
+
+Idempotence: the parent carries ``rcr.job_key`` = hash(absolute output dir, config hash(es)) (the job
+name when no output dir is known) and ``rcr.fingerprint`` = hash(row contents, analysis settings,
+logging version). Logging a job whose key already has a complete parent with the same fingerprint does
+nothing and returns that run's id. Otherwise the new set of runs is logged first, marked complete
+(``rcr.complete=1``), and only then are all older runs with the same key deleted, so a crash at any
+point leaves at most one complete set, and the next call cleans up. ``jobs/backfill_mlflow.py`` uses
+the same function to rebuild the runs from a Parquet output directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+
+from pipeline import metrics as M
+
+__all__ = ["log_job", "job_key", "data_fingerprint", "resolve_tracking_uri", "find_job_runs",
+           "DEFAULT_TRACKING_URI", "DEFAULT_EXPERIMENT", "TRACKING_VERSION"]
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+DEFAULT_EXPERIMENT = "rcr-eval"
+TRACKING_VERSION = "1"  # bump when what is logged changes: existing runs are then replaced, not skipped
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+TAG_KEY = "rcr.job_key"
+TAG_ROLE = "rcr.role"
+TAG_FP = "rcr.fingerprint"
+TAG_COMPLETE = "rcr.complete"
+
+# per-method metrics copied from Analysis.methods to the child run (NaN values are left out)
+CHILD_METRICS = (
+    "fidelity", "fidelity_ci_low", "fidelity_ci_high",
+    "diff_bacon", "diff_bacon_ci_low", "diff_bacon_ci_high", "n_pairs_bacon",
+    "diff_rcr", "diff_rcr_ci_low", "diff_rcr_ci_high", "n_pairs_rcr",
+    "refresh_fraction", "refresh_fraction_ci_low", "refresh_fraction_ci_high",
+    "keys_read_per_step", "values_read_per_step", "reads_per_step", "detector_dots_per_step",
+    "tokens_per_s", "n_steps", "mean_drift",
+    "rougeL_ref", "rougeL_ref_ci_low", "rougeL_ref_ci_high", "cider", "cider_ci_low", "cider_ci_high",
+    "n", "n_rows", "n_errors", "sweep_tau",
+)
+
+
+# ---------------------------------------------------------------------------------------------- keys
+def resolve_tracking_uri(uri: str | None) -> str:
+    """``None`` -> ``sqlite:///mlflow.db``; relative sqlite/file paths -> absolute (printed by callers),
+    so a job started from a temporary working directory does not lose its store. Others unchanged."""
+    uri = uri or DEFAULT_TRACKING_URI
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):]
+        if path.startswith("/") or path == ":memory:":
+            return uri
+        return "sqlite:///" + str(Path(path).expanduser().resolve())
+    if uri.startswith("file:"):
+        path = re.sub(r"^file:(//)?", "", uri)
+        return "file://" + str(Path(path).expanduser().resolve())
+    if re.match(r"^[a-z][a-z0-9+.-]*://", uri):
+        return uri
+    return "file://" + str(Path(uri).expanduser().resolve())
+
+
+def _config_hashes(df: pd.DataFrame, config: dict | None) -> list[str]:
+    if M.Col.CONFIG_HASH in df and df[M.Col.CONFIG_HASH].notna().any():
+        return sorted(set(df[M.Col.CONFIG_HASH].dropna().astype(str)))
+    ch = (config or {}).get("config_hash")
+    return [str(ch)] if ch else []
+
+
+def job_key(df: pd.DataFrame, config: dict | None = None, output_dir: str | os.PathLike | None = None,
+            job_name: str | None = None) -> str:
+    """The identity of a job's MLflow runs: hash of the absolute output dir and the config hash(es).
+
+    Without an output dir (neither the argument nor ``config["output_dir"]``), the job name is used.
+    The driver and the backfill command derive the same key for the same output."""
+    out = output_dir or (config or {}).get("output_dir")
+    where = str(Path(out).expanduser().resolve()) if out else f"job:{job_name or (config or {}).get('job_name')}"
+    blob = json.dumps({"where": where, "config_hash": _config_hashes(df, config)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+_FP_COLS = (M.Col.MODEL, M.Col.SAMPLE_ID, M.Col.METHOD, M.Col.CONFIG_HASH, M.Col.OUTPUT_TEXT, M.Col.ERROR,
+            M.Col.REFRESH_FRACTION, M.Col.MEAN_DRIFT, M.Col.N_STEPS, M.Col.TOKENS_PER_S)
+
+
+def data_fingerprint(df: pd.DataFrame, extra: dict | None = None) -> str:
+    """Content hash of the rows (key columns, outputs, errors, summary telemetry) and of ``extra``."""
+    cols = [c for c in _FP_COLS if c in df.columns]
+    d = df[cols].copy()
+    for c in cols:
+        d[c] = d[c].astype(str)
+    d = d.sort_values([c for c in (M.Col.MODEL, M.Col.SAMPLE_ID, M.Col.METHOD, M.Col.CONFIG_HASH) if c in cols])
+    h = hashlib.sha256()
+    h.update(pd.util.hash_pandas_object(d, index=False).to_numpy().tobytes())
+    h.update(json.dumps(extra or {}, sort_keys=True, default=str).encode())
+    h.update(TRACKING_VERSION.encode())
+    return h.hexdigest()[:20]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _client(tracking_uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _experiment_id(client, name: str, tracking_uri: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    artifact_location = None
+    if tracking_uri.startswith("sqlite:///") and not tracking_uri.endswith(":memory:"):
+        # next to the database, not ./mlruns of whatever directory the driver happens to run in
+        db = Path(tracking_uri[len("sqlite:///"):])
+        artifact_location = (db.parent / "mlartifacts").resolve().as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except Exception:  # created concurrently
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def find_job_runs(client, experiment_id: str, key: str) -> list:
+    """All active runs (parents and children) carrying ``rcr.job_key = key``."""
+    runs, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_KEY}` = '{key}'",
+                                  max_results=1000, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _git_commit() -> tuple[str, bool | None]:
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        if not re.fullmatch(r"[0-9a-f]{40}", sha):
+            return "unknown", None
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        return sha, dirty
+    except Exception:
+        return "unknown", None
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+    elif isinstance(d, (list, tuple)):
+        out[prefix[:-1]] = ",".join(map(str, d))
+    else:
+        out[prefix[:-1]] = str(d)
+    return out
+
+
+def _finite(x) -> bool:
+    try:
+        return x is not None and not isinstance(x, bool) and math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
+
+
+def _metric_name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", s)
+
+
+def _log_metrics(client, run_id: str, values: dict[str, Any], step: int = 0, ts: int | None = None) -> None:
+    from mlflow.entities import Metric
+
+    ts = ts or int(time.time() * 1000)
+    ms = [Metric(_metric_name(k), float(v), ts, step) for k, v in values.items() if _finite(v)]
+    for i in range(0, len(ms), 1000):
+        client.log_batch(run_id, metrics=ms[i:i + 1000])
+
+
+def _log_series(client, run_id: str, name: str, values: Iterable[float]) -> None:
+    from mlflow.entities import Metric
+
+    ts = int(time.time() * 1000)
+    ms = [Metric(name, float(v), ts, i) for i, v in enumerate(values) if _finite(v)]
+    for i in range(0, len(ms), 1000):
+        client.log_batch(run_id, metrics=ms[i:i + 1000])
+
+
+def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
+    from mlflow.entities import Param
+
+    ps = [Param(_metric_name(k)[:250], str(v)[:6000]) for k, v in params.items() if v is not None]
+    for i in range(0, len(ps), 100):
+        client.log_batch(run_id, params=ps[i:i + 100])
+
+
+def _log_dataset(client, run_id: str, df: pd.DataFrame, output_dir: str | None, name: str) -> None:
+    """The evaluated samples (one row per sample) as an MLflow dataset input of the parent run."""
+    import mlflow.data
+    from mlflow.entities import DatasetInput, InputTag
+
+    cols = [c for c in (M.Col.SAMPLE_ID, M.Col.TASK, M.Col.SOURCE, M.Col.PROMPT, M.Col.REFERENCES) if c in df]
+    samples = df[cols].drop_duplicates(M.Col.SAMPLE_ID).reset_index(drop=True)
+    if M.Col.REFERENCES in samples:
+        samples[M.Col.REFERENCES] = samples[M.Col.REFERENCES].map(
+            lambda r: json.dumps(list(r) if r is not None else [], ensure_ascii=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = mlflow.data.from_pandas(samples, source=output_dir or "unknown", name=name)
+        client.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
+                                                         tags=[InputTag("mlflow.data.context", "evaluation")])])
+
+
+def _one(df: pd.DataFrame, col: str) -> str | None:
+    if col not in df:
+        return None
+    v = sorted(set(df[col].dropna().astype(str)))
+    return ",".join(v) if v else None
+
+
+def _delete_runs(client, runs: list, keep: set[str]) -> int:
+    n = 0
+    for r in runs:
+        if r.info.run_id in keep:
+            continue
+        try:
+            client.delete_run(r.info.run_id)
+            n += 1
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"could not delete stale MLflow run {r.info.run_id}: {e}")
+    return n
+
+
+# ---------------------------------------------------------------------------------------------- log_job
+def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DEFAULT_TRACKING_URI,
+            experiment: str | None = DEFAULT_EXPERIMENT, job_name: str | None = None,
+            artifacts_dir: str | os.PathLike | None = None, *, analysis: M.Analysis | None = None,
+            output_dir: str | os.PathLike | None = None, bootstrap_resamples: int | None = None,
+            seed: int | None = None, force: bool = False, verbose: bool = True) -> str:
+    """Log a finished job to MLflow (one parent run, one child run per method); idempotent.
+
+    Args:
+        df: the job's output rows (``pd.read_parquet(output_dir)``, possibly filtered to one config hash).
+        config: the job config as a dict (``JobConfig.to_dict()``); flattened into params, logged as
+            ``config.json``. ``output_dir``, ``job_name``, ``bootstrap_resamples``, ``seed`` and ``rcr.rho``
+            are read from it when not given as arguments.
+        tracking_uri: any MLflow URI; default ``sqlite:///mlflow.db``, relative paths made absolute.
+        experiment: experiment name (created if missing; for a sqlite store its artifacts go to
+            ``mlartifacts/`` next to the database file).
+        job_name: the parent run's name (default: ``config["job_name"]``, else the rows' ``job_name``).
+        artifacts_dir: where the plots and tables are written before upload (kept); default: a
+            temporary directory (removed).
+        analysis: a ready :class:`pipeline.metrics.Analysis` of ``df``; computed when ``None``.
+        output_dir: the job's Parquet directory; part of the job key, so pass it (the driver and the
+            backfill command must agree on it).
+        force: log a new set of runs even when an identical complete one exists (the old one is deleted).
+
+    Returns:
+        The parent run id (of the existing run when nothing had to be logged).
+    """
+    config = dict(config or {})
+    tracking_uri = resolve_tracking_uri(tracking_uri)
+    experiment = experiment or config.get("experiment") or DEFAULT_EXPERIMENT
+    output_dir = output_dir or config.get("output_dir")
+    output_dir = str(Path(output_dir).expanduser().resolve()) if output_dir else None
+    job_name = job_name or config.get("job_name") or _one(df, M.Col.JOB_NAME) or "job"
+    if bootstrap_resamples is None:
+        bootstrap_resamples = int(config.get("bootstrap_resamples", 10_000))
+    if seed is None:
+        seed = int(config.get("bootstrap_seed", config.get("seed", 0)) or 0)
+    rho = (config.get("rcr") or {}).get("rho", 0.4) if isinstance(config.get("rcr"), dict) else 0.4
+
+    client = _client(tracking_uri)
+    exp_id = _experiment_id(client, experiment, tracking_uri)
+    key = job_key(df, config, output_dir, job_name)
+    fp = data_fingerprint(df, {"bootstrap_resamples": bootstrap_resamples, "seed": seed})
+    existing = find_job_runs(client, exp_id, key)
+    for r in existing:
+        t = r.data.tags
+        if (not force and t.get(TAG_ROLE) == "parent" and t.get(TAG_FP) == fp and t.get(TAG_COMPLETE) == "1"
+                and r.info.status == "FINISHED"):
+            stale = [x for x in existing if x.info.run_id != r.info.run_id
+                     and x.data.tags.get("mlflow.parentRunId") != r.info.run_id]
+            _delete_runs(client, stale, set())  # leftovers of an interrupted earlier call
+            if verbose:
+                print(f"[mlflow] job already logged (parent run {r.info.run_id}, key {key}); nothing to do")
+            return r.info.run_id
+
+    if analysis is None:
+        analysis = M.analyze(df, bootstrap_resamples=bootstrap_resamples, seed=seed)
+    summary = M.format_summary(analysis)
+    tmp = None
+    if artifacts_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="rcr-mlflow-")
+        adir = Path(tmp.name)
+    else:
+        adir = Path(artifacts_dir).expanduser().resolve()
+        adir.mkdir(parents=True, exist_ok=True)
+    try:
+        parent_id = _log_new(client, exp_id, df, config, analysis, summary, adir, key=key, fp=fp,
+                             job_name=job_name, output_dir=output_dir, tracking_uri=tracking_uri, rho=rho)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    # only now remove what this replaces (an older set with the same key, or an interrupted one)
+    n_del = _delete_runs(client, existing, {parent_id})
+    if verbose:
+        what = f"replaced {n_del} older run(s)" if n_del else "new"
+        print(f"[mlflow] logged job '{job_name}' to {tracking_uri}, experiment '{experiment}': parent run "
+              f"{parent_id} ({what}); UI: mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1")
+    return parent_id
+
+
+def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: M.Analysis, summary: str, adir: Path, *,
+             key: str, fp: str, job_name: str, output_dir: str | None, tracking_uri: str, rho: float) -> str:
+    from pipeline import plots as P
+
+    commit, dirty = _git_commit()
+    commit = config.get("git_commit") or commit
+    models = a.meta.get("models") or [""]
+    dataset = _one(df, M.Col.SOURCE) or "unknown"
+    task = _one(df, M.Col.TASK)
+    tags = {
+        TAG_KEY: key, TAG_ROLE: "parent", TAG_FP: fp, TAG_COMPLETE: "0",
+        "rcr.job_name": job_name, "rcr.output_dir": output_dir or "", "rcr.config_hash": _one(df, M.Col.CONFIG_HASH) or "",
+        "rcr.model": ",".join(models), "rcr.dataset": dataset, "rcr.task": task or "",
+        "mlflow.source.git.commit": commit, "mlflow.source.name": "pipeline.tracking.log_job",
+        "mlflow.note.content": "```\n" + summary[:7900] + "\n```",
+    }
+    if dirty is not None:
+        tags["rcr.git_dirty"] = str(dirty).lower()
+    parent = client.create_run(exp_id, run_name=job_name, tags=tags)
+    pid = parent.info.run_id
+
+    params = {f"config.{k}": v for k, v in _flatten(config).items() if k}
+    params.update({
+        "job_name": job_name, "model": ",".join(models), "dataset": dataset, "task": task,
+        "git_commit": commit, "output_dir": output_dir, "config_hash": _one(df, M.Col.CONFIG_HASH),
+        "n_samples": a.meta.get("n_samples"), "n_rows": a.meta.get("n_rows"),
+        "methods": ",".join(M.order_methods(df[M.Col.METHOD].astype(str))),
+        "fidelity_metric": M.FIDELITY_DESC, "reference_rougeL": M.REF_ROUGE_DESC, "cider": a.meta.get("cider"),
+        "bootstrap": a.meta.get("bootstrap"), "bootstrap_resamples": a.meta.get("bootstrap_resamples"),
+        "bootstrap_seed": a.meta.get("seed"), "drift_source": a.meta.get("drift_source"),
+    })
+    _log_params(client, pid, params)
+    try:
+        _log_dataset(client, pid, df, output_dir, name=f"{dataset}:{task}" if task else dataset)
+    except Exception as e:  # noqa: BLE001 - the dataset entity is a convenience
+        warnings.warn(f"MLflow dataset input not logged: {e}")
+
+    pm: dict[str, Any] = {"n_rows": a.meta.get("n_rows"), "n_samples": a.meta.get("n_samples"),
+                          "n_error_rows": a.meta.get("n_error_rows"),
+                          "n_samples_without_full": a.meta.get("n_samples_without_full")}
+    multi = len(models) > 1
+    for _, s in a.stability.iterrows():
+        sfx = f".{s.model}" if multi else ""
+        pm[f"top_pos_unchanged_fraction{sfx}"] = s.fraction_unchanged
+        pm[f"top_pos_unchanged_fraction_sample_mean{sfx}"] = s.fraction_unchanged_sample_mean
+    for _, c in a.correlations.iterrows():
+        sfx = f".{c.model}" if multi else ""
+        pm[f"spearman_gap_exact.{c.method}.vs_{c.against}{sfx}"] = c.spearman_rho
+    _log_metrics(client, pid, pm)
+
+    # artifacts: plots, tables, summary, config
+    pdir, tdir = adir / "plots", adir / "tables"
+    tdir.mkdir(parents=True, exist_ok=True)
+    try:
+        P.make_plots(df, a, pdir, rho=rho)
+    except Exception as e:  # noqa: BLE001 - a broken plot must not lose the numbers
+        warnings.warn(f"plots failed: {type(e).__name__}: {e}")
+    a.per_sample.to_parquet(tdir / "per_sample.parquet", index=False)
+    a.per_sample.to_csv(tdir / "per_sample.csv", index=False)
+    for name in ("methods", "terciles", "correlations", "stability", "frontier", "errors"):
+        getattr(a, name).to_csv(tdir / f"{name}.csv", index=False)
+    (adir / "summary.txt").write_text(summary + "\n")
+    (adir / "analysis_meta.json").write_text(json.dumps(a.meta, indent=1, default=str))
+    (adir / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    if pdir.is_dir():
+        client.log_artifacts(pid, str(pdir), "plots")
+    client.log_artifacts(pid, str(tdir), "tables")
+    for f in ("summary.txt", "analysis_meta.json", "config.json"):
+        client.log_artifact(pid, str(adir / f))
+
+    # one child run per (model, method)
+    for _, row in a.methods.iterrows():
+        method, model = str(row.method), str(row.model)
+        name = f"{method} [{model}]" if multi else method
+        ctags = {"mlflow.parentRunId": pid, TAG_KEY: key, TAG_ROLE: "method", "rcr.method": method,
+                 "rcr.model": model, "rcr.job_name": job_name, "mlflow.source.git.commit": commit}
+        child = client.create_run(exp_id, run_name=name, tags=ctags)
+        cid = child.info.run_id
+        _log_params(client, cid, {"method": method, "model": model,
+                                  "sweep_tau": row.get("sweep_tau") if _finite(row.get("sweep_tau")) else None})
+        cm = {k: row.get(k) for k in CHILD_METRICS}
+        t = a.terciles[(a.terciles.model == model) & (a.terciles.method == method)]
+        for _, tr in t.iterrows():
+            cm[f"tercile_{tr.tercile}_fidelity"] = tr.fidelity
+            cm[f"tercile_{tr.tercile}_refresh_fraction"] = tr.refresh_fraction
+        c = a.correlations[(a.correlations.model == model) & (a.correlations.method == method)]
+        for _, cr in c.iterrows():
+            cm[f"spearman_gap_exact_vs_{cr.against}"] = cr.spearman_rho
+        _log_metrics(client, cid, cm)
+        if _finite(row.get("refresh_fraction")) and 0 < float(row.get("refresh_fraction")) < 1:
+            steps = M.refresh_by_step(df, method, model=model)
+            _log_series(client, cid, "refresh_rate_by_step", steps.refresh_rate)
+            _log_series(client, cid, "tau_mean_by_step", steps.tau_mean)
+        client.set_terminated(cid, "FINISHED")
+
+    client.set_tag(pid, TAG_COMPLETE, "1")
+    client.set_terminated(pid, "FINISHED")
+    return pid

@@ -1,0 +1,45 @@
+"""With a selected-slot budget >= the prefix, every method must reproduce `full` token for token, and `full`
+must reproduce transformers' own greedy `generate`. This guards positions (true positions, M-RoPE), the
+resident layout, masks with left padding, and the prefill-once/decode-many path."""
+
+import pytest
+import torch
+
+import rcr
+import tiny_models
+from conftest import ALL_METHODS
+
+BIG = rcr.RCRConfig(selected=4096, candidates=4096, window=8)  # budget >= any test prefix
+N_NEW = 10
+
+
+def hf_greedy(model, inputs, n):
+    out = model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[:, inputs["input_ids"].shape[1]:]
+
+
+@pytest.mark.parametrize("prompt_words", [[6], [3, 30, 12]], ids=["batch1", "batch3_mixed"])
+def test_every_method_equals_full_with_budget_over_prefix(family, prompt_words):
+    name, model, proc = family
+    inputs = tiny_models.batch_inputs(proc, prompt_words)
+    assert inputs["attention_mask"].shape[0] == len(prompt_words)
+    if len(prompt_words) > 1:
+        assert not inputs["attention_mask"].bool().all(), "the batch must be left padded"
+    res = rcr.generate(model, inputs, method=ALL_METHODS, max_new_tokens=N_NEW, config=BIG, ignore_eos=True)
+    full = res["full"].sequences
+    assert torch.equal(full, hf_greedy(model, inputs, N_NEW)), f"{name}: full != transformers generate"
+    for label in ALL_METHODS:
+        assert torch.equal(res[label].sequences, full), f"{name}/{label} diverged from full"
+    # the re-selecting methods really ran their decision at every layer-step
+    assert (res["exact"].telemetry.trigger == 1).all()
+
+
+def test_compressed_methods_differ_from_full_with_small_budget():
+    """The converse: at a small budget the cache really is compressed (otherwise the test above is vacuous)."""
+    model, proc = tiny_models.qwen2_vl()
+    inputs = tiny_models.batch_inputs(proc, [6], image_size=224)
+    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
+    res = rcr.generate(model, inputs, method=["full", "bacon", "exact"], max_new_tokens=N_NEW, config=cfg,
+                       ignore_eos=True)
+    assert not torch.equal(res["bacon"].sequences, res["full"].sequences)
+    assert not torch.equal(res["exact"].sequences, res["full"].sequences)

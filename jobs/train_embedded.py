@@ -1,0 +1,425 @@
+"""Train the embedded default model: a tiny Qwen2-VL on the synthetic scenes and videos.
+
+Everything is built locally (word-level tokenizer over the grammar, Qwen2-VL processor with a chat
+template, a tiny ``Qwen2VLForConditionalGeneration``) and saved in Hugging Face format, so the result
+loads offline with ``from_pretrained(<dir>)`` and runs through the same code paths as Qwen2-VL-7B.
+
+    python jobs/train_embedded.py                       # CPU, ~1.5-2.5 h on 2 cores, resumes by itself
+    python jobs/train_embedded.py --device cuda         # minutes on a GPU
+    python jobs/train_embedded.py --minutes 2 --out runs/smoke --run-dir runs/smoke   # smoke run
+
+Training data is a pure function of (--seed, step): batch ``s`` always holds the same samples, so a
+run that is interrupted and resumed from its last checkpoint (written every --ckpt-minutes into
+--run-dir, atomically) sees exactly the batches it would have seen.
+
+The training batches are built with a numpy re-implementation of the processor's patchification
+(``patchify``); tests/test_embedded_model.py checks that it equals the saved processor's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from pipeline import synthetic as S  # noqa: E402
+
+DEFAULT_OUT = REPO / "assets" / "embedded" / "model"
+DEFAULT_RUN_DIR = REPO / "runs" / "train_embedded"
+
+SPECIAL_TOKENS = {
+    "pad": "<|endoftext|>",
+    "im_start": "<|im_start|>",
+    "im_end": "<|im_end|>",
+    "vision_start": "<|vision_start|>",
+    "vision_end": "<|vision_end|>",
+    "image": "<|image_pad|>",
+    "video": "<|video_pad|>",
+    "unk": "<unk>",
+}
+
+# A minimal Qwen2-VL-style chat template over the word-level vocabulary. Message content may be a
+# string or a list of {"type": "image"|"video"|"text"} parts, as with the real Qwen2-VL processor.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }} "
+    "{% if message['content'] is string %}{{ message['content'] }} "
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}<|vision_start|><|image_pad|><|vision_end|> "
+    "{% elif part['type'] == 'video' or 'video' in part %}<|vision_start|><|video_pad|><|vision_end|> "
+    "{% elif part['type'] == 'text' %}{{ part['text'] }} {% endif %}"
+    "{% endfor %}{% endif %}<|im_end|> "
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+MODEL_SIZES = {
+    # text hidden / layers / heads / kv heads / mlp ; vision dim / depth / heads
+    "small": dict(hidden=192, layers=4, heads=6, kv=3, mlp=512, vdim=96, vdepth=2, vheads=4),
+    "base": dict(hidden=256, layers=4, heads=8, kv=4, mlp=640, vdim=96, vdepth=2, vheads=4),
+    "tiny": dict(hidden=64, layers=2, heads=2, kv=1, mlp=128, vdim=32, vdepth=1, vheads=2),
+}
+
+
+# ------------------------------------------------------------------------------------- build assets
+def build_tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = S.vocabulary() + ["user", "assistant", "system"]
+    specials = list(SPECIAL_TOKENS.values())
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS["unk"]))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token=SPECIAL_TOKENS["unk"],
+        pad_token=SPECIAL_TOKENS["pad"],
+        eos_token=SPECIAL_TOKENS["im_end"],
+        additional_special_tokens=[SPECIAL_TOKENS[k] for k in ("im_start", "vision_start", "vision_end")],
+        extra_special_tokens={
+            "image_token": SPECIAL_TOKENS["image"],
+            "video_token": SPECIAL_TOKENS["video"],
+            "vision_start_token": SPECIAL_TOKENS["vision_start"],
+            "vision_end_token": SPECIAL_TOKENS["vision_end"],
+        },
+        padding_side="left",
+        model_max_length=4096,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_processor(tokenizer):
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+    video_processor = Qwen2VLVideoProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 768, cap_pixels_per_frame=True)
+    return Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_model(tokenizer, size: str = "base", seed: int = 0):
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    p = MODEL_SIZES[size]
+    head_dim = p["hidden"] // p["heads"]
+    half = head_dim // 2
+    t = half // 4
+    mrope = [t, (half - t) // 2, half - t - (half - t) // 2]
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in SPECIAL_TOKENS.items()}
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=p["hidden"],
+            intermediate_size=p["mlp"],
+            num_hidden_layers=p["layers"],
+            num_attention_heads=p["heads"],
+            num_key_value_heads=p["kv"],
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
+            bos_token_id=ids["im_start"],
+            eos_token_id=ids["im_end"],
+            pad_token_id=ids["pad"],
+            tie_word_embeddings=True,
+        ),
+        vision_config=dict(
+            depth=p["vdepth"], embed_dim=p["vdim"], hidden_size=p["hidden"], num_heads=p["vheads"], mlp_ratio=4,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+        ),
+        image_token_id=ids["image"],
+        video_token_id=ids["video"],
+        vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=ids["vision_end"],
+        bos_token_id=ids["im_start"],
+        eos_token_id=ids["im_end"],
+        pad_token_id=ids["pad"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = ids["im_end"]
+    model.generation_config.pad_token_id = ids["pad"]
+    model.generation_config.bos_token_id = ids["im_start"]
+    model.generation_config.do_sample = False
+    return model
+
+
+def messages_for(task: str) -> list[dict]:
+    kind = "video" if task == "video" else "image"
+    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": S.PROMPTS[task]}]}]
+
+
+def processor_inputs(processor, task: str, frames: list[np.ndarray], return_tensors="pt"):
+    """What inference feeds the model for one synthetic sample (the reference the trainer must match)."""
+    from PIL import Image
+
+    text = processor.apply_chat_template(messages_for(task), add_generation_prompt=True, tokenize=False)
+    pil = [Image.fromarray(f) for f in frames]
+    if task == "video":
+        return processor(text=[text], videos=[pil], return_tensors=return_tensors, return_mm_token_type_ids=True)
+    return processor(text=[text], images=pil, return_tensors=return_tensors, return_mm_token_type_ids=True)
+
+
+# ------------------------------------------------------------------------------------- batches
+CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
+CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
+
+
+def patchify(frames: list[np.ndarray], patch: int = 14, merge: int = 2, temporal: int = 2):
+    """numpy equivalent of the Qwen2-VL image/video processor for frames whose size is already a
+    multiple of 28 (so its resize is the identity). Returns (flat patches [N, 3*T*14*14], (t, h, w))."""
+    x = np.stack(frames).astype(np.float32) * np.float32(1 / 255)
+    x = (x - CLIP_MEAN) / CLIP_STD  # [F, H, W, C]
+    x = x.transpose(0, 3, 1, 2)  # [F, C, H, W]
+    if len(frames) % temporal:
+        x = np.concatenate([x, np.repeat(x[-1:], temporal - len(frames) % temporal, 0)])
+    f, c, h, w = x.shape
+    gt, gh, gw = f // temporal, h // patch, w // patch
+    x = x.reshape(gt, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(x.reshape(gt * gh * gw, c * temporal * patch * patch)), (gt, gh, gw)
+
+
+class BatchBuilder:
+    """Turns synthetic samples into training batches identical to what the processor produces."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.tok = processor.tokenizer
+        self.pad_id = self.tok.pad_token_id
+        self.eos_id = self.tok.eos_token_id
+        self._prefix: dict = {}
+
+    def prefix(self, task: str, frames: list[np.ndarray]):
+        key = (task, len(frames), frames[0].shape)
+        if key not in self._prefix:
+            enc = processor_inputs(self.processor, task, frames, return_tensors="np")
+            self._prefix[key] = (enc["input_ids"][0].tolist(), enc["mm_token_type_ids"][0].tolist())
+        return self._prefix[key]
+
+    def target_ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"] + [self.eos_id]
+
+    def build(self, task: str, samples: list[tuple[list[np.ndarray], str]]):
+        import torch
+
+        rows, pix, grids = [], [], []
+        for frames, text in samples:
+            ids, mm = self.prefix(task, frames)
+            tgt = self.target_ids(text)
+            rows.append((ids + tgt, mm + [0] * len(tgt), [-100] * len(ids) + tgt))
+            p, g = patchify(frames)
+            pix.append(p)
+            grids.append(g)
+        L = max(len(r[0]) for r in rows)
+        input_ids = torch.full((len(rows), L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), L), dtype=torch.long)
+        mm = torch.zeros((len(rows), L), dtype=torch.long)
+        labels = torch.full((len(rows), L), -100, dtype=torch.long)
+        for i, (a, m, lab) in enumerate(rows):  # right padding for training
+            input_ids[i, : len(a)] = torch.tensor(a)
+            attn[i, : len(a)] = 1
+            mm[i, : len(a)] = torch.tensor(m)
+            labels[i, : len(a)] = torch.tensor(lab)
+        batch = {"input_ids": input_ids, "attention_mask": attn, "mm_token_type_ids": mm, "labels": labels}
+        pv = torch.from_numpy(np.concatenate(pix))
+        thw = torch.tensor(grids, dtype=torch.long)
+        if task == "video":
+            batch.update(pixel_values_videos=pv, video_grid_thw=thw)
+        else:
+            batch.update(pixel_values=pv, image_grid_thw=thw)
+        return batch
+
+
+# ------------------------------------------------------------------------------------- schedule
+TASK_WEIGHTS = {"detailcaps": 0.6, "textcaps": 0.15, "video": 0.25}
+BATCH_SIZES = {"detailcaps": 8, "textcaps": 16, "video": 12}
+TRAIN_SEED_OFFSET = 0  # held-out evaluation uses seed + 10_000 (see eval_embedded.py)
+EVAL_SEED = 10_000
+
+
+def batch_plan(seed: int, step: int, total_steps: int, batch_scale: float = 1.0):
+    """(task, [(seed, index, n_objects)]) for one step; a pure function of (seed, step)."""
+    rng = np.random.default_rng([seed, 7, step])
+    task = S.TASKS[int(rng.choice(3, p=[TASK_WEIGHTS[t] for t in S.TASKS]))]
+    bs = max(1, int(round(BATCH_SIZES[task] * batch_scale)))
+    frac = step / max(1, total_steps)
+    items = []
+    for i in range(bs):
+        n_obj = None
+        if task == "detailcaps" and frac < 0.12:  # curriculum: fewer objects first
+            n_obj = int(rng.integers(2, S.DETAIL_MIN_OBJECTS + 1))
+        items.append((seed, step * 64 + i, n_obj))
+    return task, items
+
+
+def make_batch(builder: BatchBuilder, seed: int, step: int, total_steps: int, batch_scale: float = 1.0):
+    task, items = batch_plan(seed, step, total_steps, batch_scale)
+    samples = [S.render(task, s, idx, n_objects=n) for s, idx, n in items]
+    return task, builder.build(task, samples)
+
+
+# ------------------------------------------------------------------------------------- train
+def save_assets(model, processor, out: Path):
+    """Save model (fp32 safetensors), tokenizer and processor into ``out`` atomically."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    processor.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def _atomic_torch_save(obj, path: Path):
+    import torch
+
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="where the final HF model dir goes")
+    ap.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help="checkpoints and log (gitignored)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--size", default="small", choices=sorted(MODEL_SIZES))
+    ap.add_argument("--steps", type=int, default=4000, help="optimizer steps")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="stop (and save) after this many minutes of this process; for smoke runs")
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
+    ap.add_argument("--ckpt-minutes", type=float, default=4.0)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint in --run-dir")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = run_dir / "ckpt.pt"
+
+    tok = build_tokenizer()
+    processor = build_processor(tok)
+    model = build_model(tok, args.size, seed=args.seed).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    builder = BatchBuilder(processor)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.98))
+
+    def lr_at(step):
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    step, elapsed_before = 0, 0.0
+    if ckpt_path.exists() and not args.fresh:
+        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
+        if ck["args"]["size"] != args.size or ck["args"]["seed"] != args.seed:
+            raise SystemExit(f"checkpoint {ckpt_path} was made with other --size/--seed; pass --fresh")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step, elapsed_before = ck["step"], ck["elapsed"]
+        print(f"resumed from {ckpt_path} at step {step} ({elapsed_before / 60:.1f} min trained)", flush=True)
+    print(f"model: {n_params / 1e6:.2f} M params ({n_params * 4 / 2**20:.1f} MB fp32), device {device}, "
+          f"threads {torch.get_num_threads()}, steps {args.steps}", flush=True)
+
+    t_start = time.time()
+    start_step = step
+    last_ckpt = time.time()
+    meter = {"loss": 0.0, "correct": 0, "count": 0, "scenes": 0, "n": 0}
+    meter_t = time.time()
+    model.train()
+
+    def checkpoint():
+        _atomic_torch_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                            "elapsed": elapsed_before + time.time() - t_start, "args": vars(args)}, ckpt_path)
+
+    while step < args.steps:
+        if args.minutes is not None and time.time() - t_start > args.minutes * 60:
+            print(f"--minutes {args.minutes} reached at step {step}", flush=True)
+            break
+        task, batch = make_batch(builder, args.seed, step, args.steps, args.batch_scale)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        labels = batch.pop("labels")
+        out = model(**batch)
+        logits = out.logits[:, :-1].float()
+        tgt = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                                                 ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        with torch.no_grad():
+            mask = tgt != -100
+            meter["correct"] += int(((logits.argmax(-1) == tgt) & mask).sum())
+            meter["count"] += int(mask.sum())
+            meter["loss"] += float(loss)
+            meter["n"] += 1
+            meter["scenes"] += batch["input_ids"].shape[0]
+        if step % 25 == 0 or step == args.steps:
+            dt = time.time() - meter_t
+            done = time.time() - t_start
+            rate = meter["scenes"] / max(dt, 1e-9)
+            sps = (time.time() - t_start) / max(1, step - start_step)
+            print(f"step {step}/{args.steps} loss {meter['loss'] / meter['n']:.4f} "
+                  f"tok_acc {meter['correct'] / max(1, meter['count']):.4f} scenes/s {rate:.1f} "
+                  f"lr {lr_at(step):.2e} elapsed {(elapsed_before + done) / 60:.1f} min "
+                  f"ETA {sps * (args.steps - step) / 60:.1f} min", flush=True)
+            meter = {"loss": 0.0, "correct": 0, "count": 0, "scenes": 0, "n": 0}
+            meter_t = time.time()
+        if time.time() - last_ckpt > args.ckpt_minutes * 60:
+            checkpoint()
+            last_ckpt = time.time()
+
+    checkpoint()
+    total = elapsed_before + time.time() - t_start
+    model.eval()
+    save_assets(model.to("cpu").float(), processor, Path(args.out))
+    (run_dir / "train_summary.json").write_text(json.dumps(
+        {"steps": step, "train_minutes": total / 60, "params": n_params, "out": str(args.out),
+         "args": vars(args)}, indent=2))
+    print(f"saved {args.out} after {step} steps, {total / 60:.1f} min of training", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Reading and writing input shards (Parquet, ``pipeline.schema.INPUT_SCHEMA``).
+
+* Shards are written to a temporary name in the target directory and renamed into place, so a shard
+  that exists under its final name is complete. A directory of shards gets a ``_SUCCESS`` marker
+  (with the row count) only after its last shard is in place; readers refuse a directory without it
+  unless ``require_complete=False``.
+* ``read_input`` accepts a ``.parquet``/``.arrow`` file or a directory of them, validates the schema and
+  names the file in every error.
+* ``write_synthetic`` generates synthetic samples (``pipeline.synthetic``) in worker processes; the
+  output depends only on (task, n, seed), never on the number of workers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.schema import INPUT_SCHEMA, SchemaError, input_table_from_records, validate_input_table
+
+SUCCESS_MARKER = "_SUCCESS"
+
+
+class DataError(ValueError):
+    """Bad input data: an unreadable file, an undecodable image, an incomplete shard directory."""
+
+
+# ------------------------------------------------------------------------------------------- images
+def decode_image(data: bytes, where: str = "image"):
+    """Decode encoded image bytes to an RGB PIL image, or raise DataError naming ``where``."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
+        raise DataError(f"{where}: expected encoded image bytes, got {type(data).__name__} of length "
+                        f"{len(data) if hasattr(data, '__len__') else '?'}")
+    try:
+        img = Image.open(io.BytesIO(bytes(data)))
+        img.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DataError(f"{where}: cannot decode image bytes ({e})") from e
+    return img.convert("RGB")
+
+
+def encode_image(img, fmt: str = "PNG") -> bytes:
+    """Encode a PIL image (or HxWx3 uint8 array) to bytes."""
+    from PIL import Image
+
+    if not isinstance(img, Image.Image):
+        img = Image.fromarray(img)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def sample_images(row: dict, where: str = "sample"):
+    """Decoded PIL images (frames, for video) of one input row."""
+    sid = row.get("sample_id", "?")
+    return [decode_image(b, f"{where}: sample_id={sid!r} field 'images'[{i}]") for i, b in enumerate(row["images"])]
+
+
+# ------------------------------------------------------------------------------------------- write
+def write_shard(table: pa.Table, path: str | os.PathLike, validate: bool = True) -> Path:
+    """Write ``table`` as one Parquet shard at ``path`` via a temporary file and an atomic rename."""
+    path = Path(path)
+    if validate:
+        table = validate_input_table(table, where=str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def mark_complete(out_dir: str | os.PathLike, rows: int, extra: dict | None = None) -> None:
+    out_dir = Path(out_dir)
+    tmp = out_dir / f".{SUCCESS_MARKER}.tmp"
+    tmp.write_text(json.dumps({"rows": rows, **(extra or {})}))
+    os.replace(tmp, out_dir / SUCCESS_MARKER)
+
+
+def write_shards(records: Iterable[dict], out_dir: str | os.PathLike, shard_size: int = 256,
+                 prefix: str = "part", extra: dict | None = None) -> list[Path]:
+    """Write records into ``out_dir/prefix-00000.parquet`` ..., then the completion marker."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    marker = out_dir / SUCCESS_MARKER
+    if marker.exists():
+        marker.unlink()  # the directory is being rewritten: not complete until we say so
+    paths, buf, total = [], [], 0
+    for rec in records:
+        buf.append(rec)
+        if len(buf) >= shard_size:
+            paths.append(write_shard(input_table_from_records(buf, f"{out_dir} shard {len(paths)}"),
+                                     out_dir / f"{prefix}-{len(paths):05d}.parquet", validate=False))
+            total += len(buf)
+            buf = []
+    if buf or not paths:
+        paths.append(write_shard(input_table_from_records(buf, f"{out_dir} shard {len(paths)}"),
+                                 out_dir / f"{prefix}-{len(paths):05d}.parquet", validate=False))
+        total += len(buf)
+    # remove stale shards from an earlier, larger write
+    keep = {p.name for p in paths}
+    for old in out_dir.glob(f"{prefix}-*.parquet"):
+        if old.name not in keep:
+            old.unlink()
+    mark_complete(out_dir, total, extra)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------- read
+def _shard_files(path: Path, require_complete: bool) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    files = sorted(p for p in path.iterdir() if p.suffix in (".parquet", ".arrow") and not p.name.startswith("."))
+    if not files:
+        raise DataError(f"{path}: no .parquet or .arrow shards in this directory")
+    if require_complete and not (path / SUCCESS_MARKER).exists():
+        raise DataError(f"{path}: shard directory is incomplete (no {SUCCESS_MARKER} marker; was the writer "
+                        f"interrupted?). Pass require_complete=False to read it anyway.")
+    return files
+
+
+def _read_one(f: Path) -> pa.Table:
+    try:
+        if f.suffix == ".arrow":
+            with pa.memory_map(str(f)) as src:
+                try:
+                    return pa.ipc.open_file(src).read_all()
+                except pa.ArrowInvalid:
+                    src.seek(0)
+                    return pa.ipc.open_stream(src).read_all()
+        return pq.read_table(f)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{f}: cannot read shard ({e})") from e
+
+
+def read_input(path: str | os.PathLike, require_complete: bool = True, limit: int | None = None) -> pa.Table:
+    """Read and validate an input file or shard directory; returns a table with ``INPUT_SCHEMA``."""
+    path = Path(path)
+    tables = []
+    for f in _shard_files(path, require_complete):
+        tables.append(validate_input_table(_read_one(f), where=str(f)))
+    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    if len(tables) > 1:
+        table = validate_input_table(table, where=str(path))  # sample_id unique across shards
+    return table.slice(0, limit) if limit is not None else table
+
+
+def iter_input_rows(path: str | os.PathLike, require_complete: bool = True):
+    for row in read_input(path, require_complete).to_pylist():
+        yield row
+
+
+# ------------------------------------------------------------------------------------------- synthetic
+def _synthetic_chunk(args):
+    from pipeline import synthetic
+
+    task, seed, start, stop = args
+    return [synthetic.make_record(task, seed, i) for i in range(start, stop)]
+
+
+def synthetic_records(task: str, n: int, seed: int = 0, workers: int = 1, chunk: int = 64):
+    """Records ``0..n-1`` of the synthetic ``task`` in order; identical for any ``workers``."""
+    from pipeline import synthetic
+
+    synthetic.check_task(task)
+    if n < 0:
+        raise synthetic.SyntheticError(f"n must be >= 0, got {n}")
+    jobs = [(task, seed, s, min(n, s + chunk)) for s in range(0, n, chunk)]
+    if workers <= 1:
+        for j in jobs:
+            yield from _synthetic_chunk(j)
+        return
+    with ProcessPoolExecutor(max_workers=workers) as ex:
+        for recs in ex.map(_synthetic_chunk, jobs):
+            yield from recs
+
+
+def write_synthetic(out_dir: str | os.PathLike, task: str, n: int, seed: int = 0, shard_size: int = 256,
+                    workers: int = 1) -> list[Path]:
+    """Generate ``n`` synthetic samples of ``task`` into Parquet shards under ``out_dir``."""
+    return write_shards(synthetic_records(task, n, seed, workers), out_dir, shard_size, prefix=task,
+                        extra={"task": task, "seed": seed, "source": "synthetic"})
+
+
+__all__ = [
+    "DataError", "SchemaError", "INPUT_SCHEMA", "decode_image", "encode_image", "sample_images", "write_shard",
+    "write_shards", "mark_complete", "read_input", "iter_input_rows", "synthetic_records", "write_synthetic",
+]

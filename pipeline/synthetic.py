@@ -1,0 +1,326 @@
+"""Deterministic synthetic scenes and videos in the project's input schema.
+
+Three task styles, each a pure function of ``(seed, task, index)``:
+
+* ``detailcaps`` -- a 336 px scene on a 4x4 grid (144 visual tokens after the Qwen2-VL merge) with
+  8-12 objects. The description walks the occupied cells in raster order and gives, per object, its
+  position (row, column), size, colour, texture, shape and a relation to the next object. Every
+  object's attributes live in a different image region, so the decoder's attention has to move.
+* ``textcaps`` -- the same kind of 336 px image with one or two objects and a one-sentence caption
+  (<= ~20 tokens).
+* ``video`` -- 8, 12 or 16 frames of 168 px (36 visual tokens per temporal patch of 2 frames) with one
+  or two objects hopping between the 9 positions of a 3x3 grid, described over time ("The red circle
+  moves from the top left to the centre , then to the bottom right .").
+
+Descriptions are written in the canonical spaced form that the embedded word-level tokenizer decodes to
+("In row two , column one , ..."), so ``decode(encode(text)) == text`` and any ROUGE tokenizer sees the
+same tokens in references and model output.
+
+Rendering is plain numpy (no anti-aliasing), so images are bit-identical across machines; PNG encoding
+is lossless, so the pixels a model sees after a round trip through a shard are exactly these.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+TASKS = ("detailcaps", "textcaps", "video")
+SOURCE = "synthetic"
+
+PROMPTS = {
+    "detailcaps": "Describe this image in detail.",
+    "textcaps": "Provide a one-sentence caption for the provided image.",
+    "video": "Describe what happens in this video.",
+}
+
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 90, 230),
+    "yellow": (240, 215, 40),
+    "purple": (150, 60, 200),
+    "orange": (250, 140, 20),
+}
+SHAPES = ("circle", "square", "triangle", "diamond")
+SIZES = ("big", "small")
+TEXTURES = ("plain", "striped", "dotted")
+NUMBER_WORDS = ("one", "two", "three", "four")
+BACKGROUND = (128, 128, 128)
+
+IMAGE_SIZE = 336  # 24x24 patches of 14 px -> 12x12 = 144 merged visual tokens
+GRID = 4  # 4x4 cells of 84 px (3x3 merged tokens each)
+CELL = IMAGE_SIZE // GRID
+FRAME_SIZE = 168  # 12x12 patches -> 6x6 = 36 merged tokens per temporal patch
+VIDEO_GRID = 3
+VIDEO_CELL = FRAME_SIZE // VIDEO_GRID
+VIDEO_POSITIONS = (
+    "the top left", "the top", "the top right",
+    "the left", "the centre", "the right",
+    "the bottom left", "the bottom", "the bottom right",
+)
+QUADRANTS = ("the top left", "the top right", "the bottom left", "the bottom right")
+
+DETAIL_MIN_OBJECTS = 8
+DETAIL_MAX_OBJECTS = 10
+
+_TASK_CODE = {t: i + 1 for i, t in enumerate(TASKS)}
+
+
+class SyntheticError(ValueError):
+    """Bad arguments to the synthetic generator (unknown task, bad count ...)."""
+
+
+def check_task(task: str) -> str:
+    if task not in TASKS:
+        raise SyntheticError(f"unknown task {task!r}: field 'task' must be one of {', '.join(TASKS)}")
+    return task
+
+
+# ----------------------------------------------------------------------------------------- text utils
+_WORD_RE = re.compile(r"\w+|[^\w\s]")
+
+
+def canonical(text: str) -> str:
+    """Spaced form: every word and every punctuation mark separated by one space."""
+    return " ".join(_WORD_RE.findall(text))
+
+
+def vocabulary() -> list[str]:
+    """Every word the grammar (targets and prompts) can produce, sorted."""
+    words: set[str] = set()
+    fixed = [
+        "The image shows shapes on a grey background .",
+        "In row , column , a left of the at the end of its row .",
+        "A and at moves from to then stays in the whole time",
+        "One object . Two objects .",
+    ]
+    fixed += list(PROMPTS.values()) + list(VIDEO_POSITIONS) + list(QUADRANTS)
+    fixed += list(COLOURS) + list(SHAPES) + list(SIZES) + list(TEXTURES) + list(NUMBER_WORDS)
+    for s in fixed:
+        words.update(canonical(s).split())
+    return sorted(words)
+
+
+# ----------------------------------------------------------------------------------------- rendering
+def _shape_mask(shape: str, radius: float, size: int) -> np.ndarray:
+    """Boolean mask of a shape centred in a ``size`` x ``size`` box."""
+    c = (size - 1) / 2.0
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    dx, dy = xx - c, yy - c
+    if shape == "circle":
+        return dx * dx + dy * dy <= radius * radius
+    if shape == "square":
+        r = radius * 0.85
+        return (np.abs(dx) <= r) & (np.abs(dy) <= r)
+    if shape == "diamond":
+        return np.abs(dx) + np.abs(dy) <= radius * 1.1
+    if shape == "triangle":  # upward, apex at top
+        top, bottom = -radius, radius * 0.8
+        frac = (dy - top) / (bottom - top)
+        return (dy >= top) & (dy <= bottom) & (np.abs(dx) <= frac * radius)
+    raise SyntheticError(f"unknown shape {shape!r}")
+
+
+def _texture_mask(texture: str, size: int, phase: int) -> np.ndarray:
+    """True where the object's own colour shows; False where the dark pattern shows."""
+    yy, xx = np.mgrid[0:size, 0:size]
+    if texture == "plain":
+        return np.ones((size, size), dtype=bool)
+    if texture == "striped":  # horizontal stripes, period 8 px
+        return ((yy + phase) // 4) % 2 == 0
+    if texture == "dotted":  # dots of radius ~2 px on an 8 px lattice
+        ddx = (xx + phase) % 8 - 3.5
+        ddy = (yy + phase) % 8 - 3.5
+        return ddx * ddx + ddy * ddy > 5.0
+    raise SyntheticError(f"unknown texture {texture!r}")
+
+
+def _paint(img: np.ndarray, cx: int, cy: int, obj: "SceneObject", radius: float, phase: int = 0) -> None:
+    box = int(2 * radius + 4) | 1
+    half = box // 2
+    mask = _shape_mask(obj.shape, radius, box)
+    tex = _texture_mask(obj.texture, box, phase)
+    colour = np.array(COLOURS[obj.colour], dtype=np.uint8)
+    dark = (colour.astype(np.float32) * 0.3).astype(np.uint8)
+    patch = np.where(tex[..., None], colour, dark)
+    y0, x0 = cy - half, cx - half
+    # clip to the canvas
+    ys, xs = max(0, -y0), max(0, -x0)
+    ye, xe = min(box, img.shape[0] - y0), min(box, img.shape[1] - x0)
+    region = img[y0 + ys:y0 + ye, x0 + xs:x0 + xe]
+    m = mask[ys:ye, xs:xe]
+    region[m] = patch[ys:ye, xs:xe][m]
+
+
+@dataclass(frozen=True)
+class SceneObject:
+    shape: str
+    colour: str
+    size: str = "big"
+    texture: str = "plain"
+
+    def phrase(self) -> str:
+        return f"{self.size} {self.colour} {self.texture} {self.shape}"
+
+    def short(self) -> str:
+        return f"{self.colour} {self.shape}"
+
+
+def _random_object(rng: np.random.Generator) -> SceneObject:
+    return SceneObject(
+        shape=SHAPES[rng.integers(len(SHAPES))],
+        colour=list(COLOURS)[rng.integers(len(COLOURS))],
+        size=SIZES[rng.integers(len(SIZES))],
+        texture=TEXTURES[rng.integers(len(TEXTURES))],
+    )
+
+
+def _blank(size: int) -> np.ndarray:
+    img = np.empty((size, size, 3), dtype=np.uint8)
+    img[:] = BACKGROUND
+    return img
+
+
+def _render_grid(rng: np.random.Generator, cells: dict[int, SceneObject]) -> np.ndarray:
+    img = _blank(IMAGE_SIZE)
+    for cell, obj in cells.items():
+        r, c = divmod(cell, GRID)
+        jx, jy = rng.integers(-4, 5, size=2)
+        cx = c * CELL + CELL // 2 + int(jx)
+        cy = r * CELL + CELL // 2 + int(jy)
+        radius = 34.0 if obj.size == "big" else 21.0
+        _paint(img, cx, cy, obj, radius, phase=int(rng.integers(8)))
+    return img
+
+
+# ----------------------------------------------------------------------------------------- tasks
+def _detailcaps(rng: np.random.Generator, n_objects: int | None) -> tuple[list[np.ndarray], str]:
+    n = int(rng.integers(DETAIL_MIN_OBJECTS, DETAIL_MAX_OBJECTS + 1)) if n_objects is None else n_objects
+    if not 1 <= n <= GRID * GRID:
+        raise SyntheticError(f"n_objects must be in 1..{GRID * GRID}, got {n}")
+    chosen = sorted(rng.choice(GRID * GRID, size=n, replace=False).tolist())
+    cells = {cell: _random_object(rng) for cell in chosen}
+    img = _render_grid(rng, cells)
+    parts = ["The image shows shapes on a grey background ."]
+    for i, cell in enumerate(chosen):
+        r, c = divmod(cell, GRID)
+        obj = cells[cell]
+        if i + 1 < len(chosen) and chosen[i + 1] // GRID == r:
+            rel = f"left of the {cells[chosen[i + 1]].short()}"
+        else:
+            rel = "at the end of its row"
+        parts.append(f"In row {NUMBER_WORDS[r]} , column {NUMBER_WORDS[c]} , a {obj.phrase()} , {rel} .")
+    return [img], " ".join(parts)
+
+
+def _textcaps(rng: np.random.Generator) -> tuple[list[np.ndarray], str]:
+    n = int(rng.integers(1, 3))
+    quads = sorted(rng.choice(4, size=n, replace=False).tolist())
+    cells: dict[int, SceneObject] = {}
+    phrases = []
+    for q in quads:
+        qr, qc = divmod(q, 2)
+        r, c = 2 * qr + int(rng.integers(2)), 2 * qc + int(rng.integers(2))
+        obj = _random_object(rng)
+        cells[r * GRID + c] = obj
+        phrases.append(f"a {obj.phrase()} at {QUADRANTS[q]}")
+    img = _render_grid(rng, cells)
+    text = " and ".join(phrases) + " ."
+    return [img], text[0].upper() + text[1:]
+
+
+def _video(rng: np.random.Generator) -> tuple[list[np.ndarray], str]:
+    n_way = int(rng.integers(2, 5))  # 2..4 waypoints -> 8, 12, 16 frames
+    n_obj = int(rng.integers(1, 3))
+    objs: list[SceneObject] = []
+    while len(objs) < n_obj:
+        o = SceneObject(shape=SHAPES[rng.integers(len(SHAPES))], colour=list(COLOURS)[rng.integers(len(COLOURS))])
+        if all(o.short() != p.short() for p in objs):
+            objs.append(o)
+    # the second object stays put for the whole clip 30% of the time; otherwise every object moves at
+    # every waypoint, and no two objects share a waypoint position
+    still = [j == 1 and rng.random() < 0.3 for j in range(n_obj)]
+    paths: list[list[int]] = [[] for _ in objs]
+    for k in range(n_way):
+        taken: set[int] = set()
+        for j in range(n_obj):
+            if still[j] and k > 0:
+                pos = paths[j][0]
+            else:
+                while True:
+                    pos = int(rng.integers(9))
+                    if pos in taken or (paths[j] and pos == paths[j][-1]):
+                        continue
+                    if still[j] and any(pos in paths[i] for i in range(j)):
+                        continue
+                    break
+            taken.add(pos)
+            paths[j].append(pos)
+
+    def centre(pos: int) -> np.ndarray:
+        r, c = divmod(pos, VIDEO_GRID)
+        return np.array([c * VIDEO_CELL + VIDEO_CELL // 2, r * VIDEO_CELL + VIDEO_CELL // 2], dtype=np.float32)
+
+    frames = []
+    for k in range(n_way):
+        # frames 4k, 4k+1 at waypoint k; frames 4k+2, 4k+3 half-way to waypoint k+1 (or still there, last)
+        for sub in range(4):
+            img = _blank(FRAME_SIZE)
+            for j, obj in enumerate(objs):
+                p = centre(paths[j][k])
+                if sub >= 2 and k + 1 < n_way:
+                    p = (p + centre(paths[j][k + 1])) / 2
+                _paint(img, int(p[0]), int(p[1]), obj, 18.0)
+            frames.append(img)
+    sentences = []
+    for j, obj in enumerate(objs):
+        path = paths[j]
+        if still[j]:
+            sentences.append(f"The {obj.short()} stays in {VIDEO_POSITIONS[path[0]]} the whole time .")
+            continue
+        steps = [f"to {VIDEO_POSITIONS[b]}" for b in path[1:]]
+        sentences.append(f"The {obj.short()} moves from {VIDEO_POSITIONS[path[0]]} " + " , then ".join(steps) + " .")
+    return frames, " ".join(sentences)
+
+
+def render(task: str, seed: int, index: int, n_objects: int | None = None) -> tuple[list[np.ndarray], str]:
+    """Frames (uint8 HxWx3 arrays; one for images) and the ground-truth description.
+
+    A pure function of its arguments: the same (task, seed, index) always gives the same sample.
+    """
+    check_task(task)
+    if seed < 0 or index < 0:
+        raise SyntheticError(f"seed and index must be >= 0, got seed={seed} index={index}")
+    rng = np.random.default_rng([int(seed), _TASK_CODE[task], int(index)])
+    if task == "detailcaps":
+        frames, text = _detailcaps(rng, n_objects)
+    elif task == "textcaps":
+        frames, text = _textcaps(rng)
+    else:
+        frames, text = _video(rng)
+    return frames, canonical(text)
+
+
+def encode_png(img: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def make_record(task: str, seed: int, index: int) -> dict:
+    """One row of the input schema."""
+    frames, text = render(task, seed, index)
+    return {
+        "sample_id": f"synthetic-{task}-s{seed}-{index:07d}",
+        "task": task,
+        "prompt": PROMPTS[task],
+        "images": [encode_png(f) for f in frames],
+        "references": [text],
+        "source": SOURCE,
+    }

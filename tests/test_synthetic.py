@@ -1,0 +1,216 @@
+"""Synthetic generator, input schema and shard I/O (no model needed)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from pipeline import data, synthetic as S
+from pipeline.schema import INPUT_SCHEMA, SchemaError, input_table_from_records, validate_input_table
+
+
+def _record(**over):
+    rec = S.make_record("textcaps", 0, 0)
+    rec.update(over)
+    return rec
+
+
+# ------------------------------------------------------------------------------------- determinism
+@pytest.mark.parametrize("task", S.TASKS)
+def test_same_seed_same_bytes(task):
+    a = [S.make_record(task, 3, i) for i in range(3)]
+    b = [S.make_record(task, 3, i) for i in range(3)]
+    assert a == b
+    c = [S.make_record(task, 4, i) for i in range(3)]
+    assert [r["images"] for r in a] != [r["images"] for r in c]
+    assert len({r["references"][0] for r in a}) == 3  # different indices, different samples
+
+
+def test_workers_do_not_change_output(tmp_path):
+    one = list(data.synthetic_records("detailcaps", 10, seed=5, workers=1, chunk=3))
+    two = list(data.synthetic_records("detailcaps", 10, seed=5, workers=2, chunk=3))
+    assert one == two
+    assert [r["sample_id"] for r in one] == [f"synthetic-detailcaps-s5-{i:07d}" for i in range(10)]
+
+
+# ------------------------------------------------------------------------------------- content
+def test_detailcaps_is_long_and_spatial():
+    lengths, objects = [], []
+    for i in range(40):
+        frames, text = S.render("detailcaps", 1, i)
+        assert len(frames) == 1 and frames[0].shape == (336, 336, 3)  # 24x24 patches -> 144 merged tokens
+        lengths.append(len(text.split()))
+        n = text.count("In row")
+        assert S.DETAIL_MIN_OBJECTS <= n <= S.DETAIL_MAX_OBJECTS
+        objects.append(n)
+        # raster order: (row, column) pairs strictly increase
+        words = text.split()
+        cells = [(S.NUMBER_WORDS.index(words[k + 2]), S.NUMBER_WORDS.index(words[k + 5]))
+                 for k in range(len(words)) if words[k] == "In" and words[k + 1] == "row"]
+        assert cells == sorted(set(cells))
+    assert np.mean(lengths) >= 100
+    assert min(objects) >= 8
+
+
+def test_each_object_is_drawn_in_its_cell():
+    frames, text = S.render("detailcaps", 2, 0)
+    img = frames[0].astype(int)
+    words = text.split()
+    for k in range(len(words)):
+        if words[k] == "In" and words[k + 1] == "row":
+            r, c = S.NUMBER_WORDS.index(words[k + 2]), S.NUMBER_WORDS.index(words[k + 5])
+            colour = words[k + 9]
+            cell = img[r * S.CELL:(r + 1) * S.CELL, c * S.CELL:(c + 1) * S.CELL]
+            hit = np.all(cell == np.array(S.COLOURS[colour]), axis=-1).sum()
+            assert hit > 30, (r, c, colour)
+    # an empty cell is plain background
+    occupied = {(S.NUMBER_WORDS.index(words[k + 2]), S.NUMBER_WORDS.index(words[k + 5]))
+                for k in range(len(words)) if words[k] == "In" and words[k + 1] == "row"}
+    r, c = next((r, c) for r in range(4) for c in range(4) if (r, c) not in occupied)
+    cell = img[r * S.CELL + 12:(r + 1) * S.CELL - 12, c * S.CELL + 12:(c + 1) * S.CELL - 12]
+    assert np.all(cell == np.array(S.BACKGROUND))
+
+
+def test_textcaps_short_and_video_frames():
+    for i in range(30):
+        _, text = S.render("textcaps", 0, i)
+        assert len(text.split()) <= 30 and text.endswith(".")
+        frames, vtext = S.render("video", 0, i)
+        assert 8 <= len(frames) <= 16 and len(frames) % 4 == 0
+        assert frames[0].shape == (168, 168, 3)
+        assert "moves from" in vtext or "stays in" in vtext
+    # frames differ over time (objects move)
+    frames, vtext = S.render("video", 0, 1)
+    assert not np.array_equal(frames[0], frames[-1]) or "stays" in vtext
+
+
+def test_vocabulary_covers_everything():
+    vocab = set(S.vocabulary())
+    for task in S.TASKS:
+        assert set(S.canonical(S.PROMPTS[task]).split()) <= vocab
+        for i in range(25):
+            _, text = S.render(task, 9, i)
+            assert set(text.split()) <= vocab, set(text.split()) - vocab
+            assert S.canonical(text) == text
+
+
+def test_unknown_task_and_bad_args():
+    with pytest.raises(S.SyntheticError, match="task"):
+        S.render("captions", 0, 0)
+    with pytest.raises(S.SyntheticError, match="task"):
+        list(data.synthetic_records("nope", 2))
+    with pytest.raises(S.SyntheticError, match="n_objects"):
+        S.render("detailcaps", 0, 0, n_objects=17)
+    with pytest.raises(S.SyntheticError, match="seed"):
+        S.render("video", -1, 0)
+
+
+# ------------------------------------------------------------------------------------- schema
+def test_records_match_schema_and_images_decode():
+    recs = [S.make_record(t, 0, i) for t in S.TASKS for i in range(2)]
+    table = input_table_from_records(recs)
+    assert table.schema.equals(INPUT_SCHEMA, check_metadata=False)
+    for row in table.to_pylist():
+        imgs = data.sample_images(row)
+        assert all(im.mode == "RGB" for im in imgs)
+        assert row["prompt"] == S.PROMPTS[row["task"]]
+        assert row["source"] == "synthetic"
+
+
+def test_validate_names_the_bad_field():
+    t = input_table_from_records([_record()])
+    with pytest.raises(SchemaError, match="missing column 'references'"):
+        validate_input_table(t.drop(["references"]))
+    bad = t.set_column(t.schema.get_field_index("task"), "task", pa.array(["captioning"]))
+    with pytest.raises(SchemaError, match="'task'.*captioning"):
+        validate_input_table(bad)
+    bad = t.set_column(t.schema.get_field_index("images"), "images", pa.array([[]], pa.list_(pa.binary())))
+    with pytest.raises(SchemaError, match="'images' is empty"):
+        validate_input_table(bad)
+    bad = t.set_column(t.schema.get_field_index("prompt"), "prompt", pa.array([3]))
+    with pytest.raises(SchemaError, match="'prompt' has type"):
+        validate_input_table(bad)
+    two = pa.concat_tables([t, t])
+    with pytest.raises(SchemaError, match="'sample_id' is not unique"):
+        validate_input_table(two)
+    with pytest.raises(SchemaError, match="missing field 'source'"):
+        rec = _record()
+        del rec["source"]
+        input_table_from_records([rec])
+    # large_* types from other writers are accepted and cast
+    big = t.cast(pa.schema([pa.field(f.name, pa.large_string() if f.type == pa.string() else f.type)
+                            for f in INPUT_SCHEMA]))
+    assert validate_input_table(big).schema.equals(INPUT_SCHEMA, check_metadata=False)
+
+
+def test_undecodable_image_is_named():
+    row = _record(images=[b"not an image"])
+    with pytest.raises(data.DataError, match=r"sample_id='synthetic-textcaps-s0-0000000' field 'images'\[0\]"):
+        data.sample_images(row)
+
+
+# ------------------------------------------------------------------------------------- shards
+def test_write_read_roundtrip_and_atomicity(tmp_path):
+    out = tmp_path / "shards"
+    paths = data.write_synthetic(out, "textcaps", 7, seed=1, shard_size=3)
+    assert [p.name for p in paths] == ["textcaps-00000.parquet", "textcaps-00001.parquet", "textcaps-00002.parquet"]
+    assert (out / data.SUCCESS_MARKER).exists()
+    assert not list(out.glob(".*tmp"))
+    t = data.read_input(out)
+    assert t.num_rows == 7 and t.schema.equals(INPUT_SCHEMA, check_metadata=False)
+    assert t.to_pylist() == list(data.synthetic_records("textcaps", 7, seed=1))
+    # pixels survive the round trip exactly
+    frames, _ = S.render("textcaps", 1, 4)
+    assert np.array_equal(np.asarray(data.sample_images(t.to_pylist()[4])[0]), frames[0])
+    # rewriting with fewer rows leaves no stale shard behind
+    data.write_synthetic(out, "textcaps", 2, seed=1, shard_size=3)
+    assert data.read_input(out).num_rows == 2
+
+
+def test_incomplete_directory_is_not_presented_as_complete(tmp_path, monkeypatch):
+    out = tmp_path / "shards"
+
+    def boom(records):
+        yield from records[:4]
+        raise RuntimeError("interrupted")
+
+    recs = list(data.synthetic_records("textcaps", 6, seed=0))
+    with pytest.raises(RuntimeError):
+        data.write_shards(boom(recs), out, shard_size=2)
+    assert not (out / data.SUCCESS_MARKER).exists()
+    with pytest.raises(data.DataError, match="incomplete"):
+        data.read_input(out)
+    assert data.read_input(out, require_complete=False).num_rows == 4
+    # a writer that dies inside pq.write_table leaves only a hidden temporary, never the final name
+    real = pq.write_table
+
+    def dying(table, where, **kw):
+        Path(where).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pq, "write_table", dying)
+    with pytest.raises(OSError):
+        data.write_shard(input_table_from_records(recs[:1]), out / "x.parquet")
+    monkeypatch.setattr(pq, "write_table", real)
+    assert not (out / "x.parquet").exists()
+    assert not list(out.glob(".x.parquet*"))
+
+
+def test_read_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(data.DataError, match="bad.parquet"):
+        data.read_input(bad)
+    t = input_table_from_records([_record()]).drop(["prompt"])
+    f = tmp_path / "noprompt.parquet"
+    pq.write_table(t, f)
+    with pytest.raises(SchemaError, match=r"noprompt.parquet: missing column 'prompt'"):
+        data.read_input(f)
+    with pytest.raises(data.DataError, match="no such file"):
+        data.read_input(tmp_path / "nothing")

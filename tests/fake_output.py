@@ -106,8 +106,29 @@ def write_output_dir(df: pd.DataFrame, out_dir, n_files: int = 2) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:  # the pipeline's OUTPUT_SCHEMA when it exists, so the types are exactly what a job writes
+        from pipeline.schema import OUTPUT_SCHEMA as schema
+    except ImportError:
+        schema = None
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = sorted(df.sample_id.unique())
     for k in range(n_files):
         part = df[df.sample_id.isin(ids[k::n_files])]
-        pq.write_table(pa.Table.from_pandas(part, preserve_index=False), out_dir / f"part-{k:05d}.parquet")
+        if schema is not None:
+            recs = part.to_dict("records")
+            table = pa.Table.from_pydict({n: [_py(r.get(n)) for r in recs] for n in schema.names}, schema=schema)
+        else:
+            table = pa.Table.from_pandas(part, preserve_index=False)
+        pq.write_table(table, out_dir / f"part-{k:05d}.parquet")
+
+
+def _py(v):
+    if isinstance(v, np.ndarray):
+        return [_py(x) for x in v]
+    if isinstance(v, list):
+        return [_py(x) for x in v]
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and np.isnan(v):
+        return None
+    return v

@@ -1,0 +1,181 @@
+"""MLflow logging against a temporary sqlite store: runs, metrics and artifacts exist after a job, and
+backfilling from the Parquet output is idempotent (twice -> one set of runs)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("mlflow")
+from mlflow import MlflowClient  # noqa: E402
+
+from fake_output import make_output_frame, write_output_dir  # noqa: E402
+from pipeline import tracking  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("full", "bacon", "exact", "fixed", "rcr", "fixed@0.05")
+RES = 500  # bootstrap resamples: small, the statistics are tested in test_metrics.py
+
+
+def _backfill_main():
+    spec = importlib.util.spec_from_file_location("backfill_mlflow", ROOT / "jobs" / "backfill_mlflow.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def _active_runs(uri: str, experiment: str):
+    c = MlflowClient(tracking_uri=uri)
+    exp = c.get_experiment_by_name(experiment)
+    assert exp is not None
+    runs = c.search_runs([exp.experiment_id], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("rcr.role") == "parent"]
+    children = [r for r in runs if r.data.tags.get("rcr.role") == "method"]
+    return c, parents, children
+
+
+def _artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
+    out = set()
+    for f in client.list_artifacts(run_id, path):
+        if f.is_dir:
+            out |= _artifact_paths(client, run_id, f.path)
+        else:
+            out.add(f.path)
+    return out
+
+
+def _store(tmp: Path, name: str) -> str:
+    """A new sqlite store: a copy of an empty, already migrated database (creating one takes ~5 s)."""
+    template = tmp / "_empty.db"
+    if not template.exists():
+        MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
+    (tmp / name).write_bytes(template.read_bytes())
+    return f"sqlite:///{tmp / name}"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """A small job: its Parquet output (with a run record like the pipeline's) and one log_job call."""
+    tmp = tmp_path_factory.mktemp("mlflow")
+    out = tmp / "out"
+    df = make_output_frame(n_samples=12, methods=METHODS, errors=2, job_name="tiny-job", config_hash="abc123")
+    write_output_dir(df, out)
+    config = {"task": "detailcaps", "model": "embedded", "methods": list(METHODS), "job_name": "tiny-job",
+              "output_dir": str(out), "experiment": "rcr-test", "rcr": {"rho": 0.4, "tau0": 0.03},
+              "bootstrap_resamples": RES}
+    (out / "_runs").mkdir()
+    (out / "_runs" / "r1.json").write_text(json.dumps({"config": config, "config_hash": "abc123",
+                                                       "started": "2026-01-01T00:00:00"}))
+    uri = _store(tmp, "mlflow.db")
+    # what the driver does at the end of a job
+    pid = tracking.log_job(df=pd.read_parquet(out), config=config, tracking_uri=uri, experiment="rcr-test",
+                           output_dir=str(out), job_name="tiny-job")
+    return {"tmp": tmp, "out": out, "df": df, "config": config, "uri": uri, "pid": pid}
+
+
+def test_runs_metrics_artifacts_exist(job):
+    c, parents, children = _active_runs(job["uri"], "rcr-test")
+    assert [p.info.run_id for p in parents] == [job["pid"]]
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "tiny-job"
+    t, p = parent.data.tags, parent.data.params
+    assert t["rcr.complete"] == "1" and t["rcr.job_key"] and len(t["mlflow.source.git.commit"]) >= 7
+    assert "fidelity" in t["mlflow.note.content"]  # the summary table is the run's description
+    for k in ("git_commit", "model", "dataset", "task", "config_hash", "config.rcr.rho", "config.methods",
+              "fidelity_metric", "reference_rougeL", "cider", "bootstrap_resamples"):
+        assert k in p, k
+    assert p["dataset"] == "synthetic" and p["config.rcr.rho"] == "0.4" and "rouge-score" in p["fidelity_metric"]
+    assert parent.data.metrics["n_error_rows"] == int(job["df"].error.notna().sum())
+    assert 0 < parent.data.metrics["top_pos_unchanged_fraction"] < 1
+    assert any(k.startswith("spearman_gap_exact.rcr.vs_mean_drift") for k in parent.data.metrics)
+    # dataset input
+    full = c.get_run(job["pid"])
+    assert full.inputs.dataset_inputs and full.inputs.dataset_inputs[0].dataset.source_type
+    # artifacts: plots, per-sample table, summary, config; stored next to the database, not in the cwd
+    arts = _artifact_paths(c, job["pid"])
+    for a in ("plots/fidelity_ci.png", "plots/frontier.png", "plots/tau_refresh.png", "plots/drift_heatmap.png",
+              "tables/per_sample.parquet", "tables/per_sample.csv", "tables/methods.csv", "tables/terciles.csv",
+              "summary.txt", "config.json"):
+        assert a in arts, (a, arts)
+    assert parent.info.artifact_uri.startswith((job["tmp"] / "mlartifacts").as_uri())
+    local = c.download_artifacts(job["pid"], "tables/per_sample.parquet", str(job["tmp"]))
+    ps = pd.read_parquet(local)
+    assert {"sample_id", "method", "fidelity", "refresh_fraction"} <= set(ps.columns)
+    # children: one per method, with CIs and differences
+    assert sorted(r.info.run_name for r in children) == sorted(METHODS)
+    assert all(r.data.tags["mlflow.parentRunId"] == job["pid"] for r in children)
+    rcr = next(r for r in children if r.info.run_name == "rcr")
+    m = rcr.data.metrics
+    for k in ("fidelity", "fidelity_ci_low", "fidelity_ci_high", "diff_bacon", "diff_bacon_ci_low",
+              "diff_bacon_ci_high", "refresh_fraction", "reads_per_step", "keys_read_per_step", "tokens_per_s",
+              "rougeL_ref", "cider", "tercile_high_fidelity"):
+        assert k in m, k
+    assert m["fidelity_ci_low"] <= m["fidelity"] <= m["fidelity_ci_high"]
+    assert m["diff_rcr"] == 0.0 and m["diff_rcr_ci_low"] == 0.0 and m["diff_rcr_ci_high"] == 0.0
+    hist = c.get_metric_history(rcr.info.run_id, "refresh_rate_by_step")
+    assert len(hist) >= 12 and sorted(h.step for h in hist)[:2] == [0, 1]
+    sweep = next(r for r in children if r.info.run_name == "fixed@0.05")
+    assert sweep.data.params["sweep_tau"] == "0.05"
+
+
+def test_log_job_twice_is_a_no_op(job):
+    pid = tracking.log_job(df=pd.read_parquet(job["out"]), config=job["config"], tracking_uri=job["uri"],
+                           experiment="rcr-test", output_dir=str(job["out"]), job_name="tiny-job")
+    assert pid == job["pid"]
+    _, parents, children = _active_runs(job["uri"], "rcr-test")
+    assert len(parents) == 1 and len(children) == len(METHODS)
+
+
+def test_backfill_twice_leaves_one_set_of_runs(job, capsys):
+    main = _backfill_main()
+    # into the store the driver already wrote: finds the same job key, skips
+    for _ in range(2):
+        assert main(["--output-dir", str(job["out"]), "--tracking-uri", job["uri"], "--no-summary"]) == 0
+    _, parents, children = _active_runs(job["uri"], "rcr-test")
+    assert [p.info.run_id for p in parents] == [job["pid"]] and len(children) == len(METHODS)
+    # into a fresh store (MLflow was unreachable during the job): first creates, second skips
+    uri2 = _store(job["tmp"], "fresh.db")
+    for _ in range(2):
+        assert main(["--output-dir", str(job["out"]), "--tracking-uri", uri2, "--experiment", "rebuilt",
+                     "--bootstrap-resamples", str(RES)]) == 0
+    out = capsys.readouterr().out
+    assert "fidelity [95% CI]" in out and "nothing to do" in out
+    c2, parents2, children2 = _active_runs(uri2, "rebuilt")
+    assert len(parents2) == 1 and len(children2) == len(METHODS)
+    assert parents2[0].data.tags["rcr.job_key"] == parents[0].data.tags["rcr.job_key"]
+    assert {"plots/fidelity_ci.png", "tables/per_sample.parquet"} <= _artifact_paths(c2, parents2[0].info.run_id)
+
+
+def test_changed_rows_replace_the_runs(job):
+    """A resumed job that added rows: the next log replaces the set, still one set of runs."""
+    uri = _store(job["tmp"], "replace.db")
+    df = pd.read_parquet(job["out"])
+    kw = dict(config=job["config"], tracking_uri=uri, experiment="rcr-test", output_dir=str(job["out"]),
+              job_name="tiny-job", verbose=False)
+    first = tracking.log_job(df=df[df.sample_id != "s0000"], **kw)
+    second = tracking.log_job(df=df, **kw)
+    assert first != second
+    _, parents, children = _active_runs(uri, "rcr-test")
+    assert [p.info.run_id for p in parents] == [second]
+    assert len(children) == len(METHODS) and all(r.data.tags["mlflow.parentRunId"] == second for r in children)
+    # an interrupted earlier attempt (incomplete parent with the same key) is cleaned up by the next call
+    c = MlflowClient(tracking_uri=uri)
+    exp = c.get_experiment_by_name("rcr-test").experiment_id
+    c.create_run(exp, run_name="interrupted", tags={"rcr.job_key": parents[0].data.tags["rcr.job_key"],
+                                                    "rcr.role": "parent", "rcr.complete": "0"})
+    assert tracking.log_job(df=df, **kw) == second
+    _, parents, _ = _active_runs(uri, "rcr-test")
+    assert [p.info.run_id for p in parents] == [second]
+
+
+def test_job_key_and_uri():
+    df = make_output_frame(n_samples=3, methods=("full", "rcr"), config_hash="h1")
+    a = tracking.job_key(df, {}, "/x/out")
+    assert a == tracking.job_key(df, {"output_dir": "/x/out"}) != tracking.job_key(df, {}, "/x/other")
+    assert a != tracking.job_key(df.assign(config_hash="h2"), {}, "/x/out")
+    assert tracking.resolve_tracking_uri(None).startswith("sqlite:////")
+    assert tracking.resolve_tracking_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
+    assert tracking.resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"

@@ -1,0 +1,422 @@
+"""One typed job config for the evaluation pipeline, validated up front.
+
+A job is configured by a YAML file (``--config job.yaml``) and/or command-line flags; flags override the
+file. Every check that can fail runs here, in the driver, before Ray starts and before any model is
+loaded, and every error names the field it is about::
+
+    config error: field 'max_new_tokens': must be an integer between 1 and 8192, got 0
+
+Output and tracking locations are resolved to absolute paths (``ray job submit --working-dir`` runs the
+driver inside a temporary copy of the repository, so a relative path would be lost with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED = "embedded"
+EMBEDDED_MODEL_DIR = REPO_ROOT / "assets" / "embedded" / "model"
+
+TASKS = ("detailcaps", "textcaps", "video")
+DEFAULT_MAX_NEW_TOKENS = {"detailcaps": 512, "textcaps": 64, "video": 128}
+# The paper's methods. The baselines quest/arkvale/infinigen are appended when the core provides them.
+PAPER_METHODS = ("full", "bacon", "prefill_oracle", "exact", "fixed", "rcr")
+LATER_METHODS = ("quest", "arkvale", "infinigen")
+MAX_NEW_TOKENS_LIMIT = 8192
+
+# Model families the core supports, by `model_type` in config.json and by hub-id pattern.
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "llava_next", "qwen3_vl")
+KNOWN_HUB_PATTERNS = (
+    re.compile(r"^Qwen/Qwen2-VL-[\w.-]+$"),
+    re.compile(r"^llava-hf/llava-v1\.6-[\w.-]+$"),
+    re.compile(r"^Qwen/Qwen3-VL-[\w.-]+$"),
+)
+
+# Fields whose value changes what a row contains. They make the config hash; a rerun resumes only rows
+# written under the same hash.
+HASHED_FIELDS = ("task", "model", "max_new_tokens", "dtype", "rcr", "max_image_pixels", "max_frames", "engine")
+
+
+class ConfigError(ValueError):
+    """A bad job config. ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"config error: field '{field}': {message}")
+
+
+def default_runs_root() -> Path:
+    return Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve()
+
+
+@dataclass
+class JobConfig:
+    """Everything a pipeline job needs. Construct with :meth:`from_args` / :meth:`from_dict`, which validate."""
+
+    task: str = "detailcaps"
+    model: str = EMBEDDED  # "embedded", a local checkpoint dir, or a supported hub id
+    shards: list[str] = field(default_factory=lambda: [EMBEDDED])  # parquet files, dirs or globs; "embedded"
+    methods: list[str] = field(default_factory=lambda: ["all"])  # "all": every method the core provides
+    max_new_tokens: int | None = None  # None: 512 detailcaps, 64 textcaps, 128 video
+    limit: int | None = None  # first N input rows, in shard order
+    batch_size: int = 4  # samples per model call (left-padded batch) and per Ray batch
+    num_actors: int = 1
+    output_dir: str | None = None  # None: ~/rcr-runs/<job_name>
+    mlflow_uri: str | None = None  # None: sqlite:///~/rcr-runs/mlflow.db (absolute)
+    experiment: str = "rcr-eval"
+    job_name: str | None = None  # None: "<task>-<model slug>"
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    gpus_per_actor: float | None = None  # None: 1 where the cluster has GPUs, else 0
+    cpus_per_actor: float | None = None  # None: 1 with GPUs; on CPU-only, what leaves room for readers
+    torch_threads: int | None = None  # None: the actor's CPU share
+    max_restarts: int = -1  # actor restarts (-1: unlimited)
+    max_task_retries: int = 3  # retries of a batch whose actor died
+    max_image_pixels: int = 50_000_000  # bigger images are bad inputs (decompression-bomb guard)
+    max_image_bytes: int = 64 * 2**20
+    max_frames: int = 64
+    trust_remote_code: bool = False
+    rcr: dict[str, Any] = field(default_factory=dict)  # rcr.RCRConfig fields
+    ray_address: str | None = None  # None: RAY_ADDRESS or a running local cluster, else an in-process one
+    progress_every_s: float = 10.0
+    summary: bool = True  # print the per-method summary and log to MLflow at the end
+    engine: str = "rcr"  # the model backend: "rcr" (the core library), or "module:Class" (tests, other backends)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, validate: bool = True) -> "JobConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in names:
+                raise ConfigError(key, f"unknown field; known fields: {', '.join(sorted(names))}")
+        cfg = cls(**{k: v for k, v in data.items()})
+        if validate:
+            cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: dict[str, Any] | None = None,
+                  *, validate: bool = True) -> "JobConfig":
+        import yaml
+
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ConfigError("config", f"no such YAML file: {p}")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError("config", f"{p} must hold a mapping of field: value, got {type(data).__name__}")
+        data.update(overrides or {})
+        return cls.from_dict(data, validate=validate)
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None, *, task: str | None = None) -> "JobConfig":
+        """Parse flags (and ``--config file.yaml``); ``task`` is the entry point's fixed task."""
+        parser = build_arg_parser(task)
+        ns = parser.parse_args(argv)
+        overrides: dict[str, Any] = {}
+        for key, value in vars(ns).items():
+            if key == "config" or value is None:
+                continue
+            if key == "rcr":
+                overrides["rcr"] = _parse_kv_list(value)
+                continue
+            overrides[key] = value
+        if task is not None:
+            overrides.setdefault("task", task)
+        base: dict[str, Any] = {}
+        if ns.config:
+            import yaml
+
+            path = Path(ns.config).expanduser()
+            if not path.is_file():
+                raise ConfigError("config", f"no such YAML file: {path}")
+            base = yaml.safe_load(path.read_text()) or {}
+            if not isinstance(base, dict):
+                raise ConfigError("config", f"{path} must hold a mapping of field: value")
+            if task is not None and base.get("task", task) != task:
+                raise ConfigError("task", f"this entry point runs task '{task}', {path} says '{base['task']}'")
+            if "rcr" in overrides and isinstance(base.get("rcr"), dict):
+                overrides["rcr"] = {**base["rcr"], **overrides["rcr"]}
+        return cls.from_dict({**base, **overrides})
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self) -> "JobConfig":
+        """Check every field; fill the task-dependent defaults. Raises :class:`ConfigError`."""
+        if self.task not in TASKS:
+            raise ConfigError("task", f"unknown task '{self.task}'; choose one of {', '.join(TASKS)}")
+        if self.max_new_tokens is None:
+            self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[self.task]
+        _int_range("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
+        if self.limit is not None:
+            _int_range("limit", self.limit, 1, None)
+        _int_range("batch_size", self.batch_size, 1, 4096)
+        _int_range("num_actors", self.num_actors, 1, 4096)
+        _int_range("max_restarts", self.max_restarts, -1, None)
+        _int_range("max_task_retries", self.max_task_retries, -1, None)
+        _int_range("max_image_pixels", self.max_image_pixels, 1, None)
+        _int_range("max_image_bytes", self.max_image_bytes, 1, None)
+        _int_range("max_frames", self.max_frames, 1, None)
+        if self.torch_threads is not None:
+            _int_range("torch_threads", self.torch_threads, 1, 1024)
+        for name in ("gpus_per_actor", "cpus_per_actor"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+                raise ConfigError(name, f"must be a number >= 0, got {v!r}")
+        if not isinstance(self.progress_every_s, (int, float)) or self.progress_every_s <= 0:
+            raise ConfigError("progress_every_s", f"must be a number > 0, got {self.progress_every_s!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("device", f"must be auto, cpu or cuda, got '{self.device}'")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError("dtype", f"must be auto, float32, bfloat16 or float16, got '{self.dtype}'")
+        if not isinstance(self.experiment, str) or not self.experiment:
+            raise ConfigError("experiment", "must be a non-empty string")
+        if not isinstance(self.engine, str) or not (self.engine == "rcr" or re.fullmatch(r"[\w.]+:\w+", self.engine)):
+            raise ConfigError("engine", f"must be 'rcr' or 'module:Class', got {self.engine!r}")
+        self.methods = _as_list("methods", self.methods)
+        self.shards = _as_list("shards", self.shards)
+        self.methods = validate_methods(self.methods)
+        validate_model(self.model)
+        self.rcr = validate_rcr(self.rcr)
+        if self.job_name is None:
+            self.job_name = f"{self.task}-{model_slug(self.model)}"
+        if not re.fullmatch(r"[\w.@+-]+", self.job_name):
+            raise ConfigError("job_name", f"use letters, digits and . _ - @ + only, got '{self.job_name}'")
+        runs = default_runs_root()
+        if self.output_dir is None:
+            self.output_dir = str(runs / self.job_name)
+        self.output_dir = str(Path(self.output_dir).expanduser().resolve())
+        if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
+            raise ConfigError("output_dir", f"{self.output_dir} exists and is not a directory")
+        if self.mlflow_uri is None:
+            self.mlflow_uri = f"sqlite:///{runs / 'mlflow.db'}"
+        self.mlflow_uri = resolve_tracking_uri(self.mlflow_uri)
+        return self
+
+    # ------------------------------------------------------------------ derived values
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def config_hash(self) -> str:
+        """12 hex digits over the fields that change a row's content (not limit, batching, paths)."""
+        payload = {k: getattr(self, k) for k in HASHED_FIELDS}
+        payload["model_fingerprint"] = model_fingerprint(self.model)
+        blob = json.dumps(payload, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def model_path(self) -> str:
+        """What the loader gets: the embedded model's directory, or the name/path as given."""
+        if self.model == EMBEDDED:
+            return str(EMBEDDED_MODEL_DIR)
+        p = Path(self.model).expanduser()
+        return str(p.resolve()) if p.exists() else self.model
+
+
+# ---------------------------------------------------------------------- field checks
+
+
+def _int_range(name: str, value: Any, lo: int | None, hi: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, f"must be an integer, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+        raise ConfigError(name, f"must be an integer {bounds}, got {value}")
+
+
+def _as_list(name: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(name, f"must be a non-empty list of strings, got {value!r}")
+    return list(value)
+
+
+def available_methods() -> list[str]:
+    """The methods the installed core provides, in the paper's order."""
+    try:
+        from rcr.methods import METHODS
+    except ImportError:
+        return list(PAPER_METHODS)
+    order = [*PAPER_METHODS, *LATER_METHODS]
+    return [m for m in order if m in METHODS] + sorted(m for m in METHODS if m not in order)
+
+
+def validate_methods(methods: list[str]) -> list[str]:
+    """Validate each label with the core's parser; ``all`` expands to :func:`available_methods`; ``full``
+    always comes first; duplicates are dropped."""
+    parse = _core_method_parser()
+    out: list[str] = []
+    expanded: list[str] = []
+    for m in methods:
+        expanded.extend(available_methods() if m == "all" else [m])
+    for m in expanded:
+        try:
+            parse(m)
+        except (ValueError, KeyError) as e:
+            raise ConfigError("methods", f"unknown method '{m}': {e}") from None
+        if m not in out:
+            out.append(m)
+    if "full" in out:
+        out.remove("full")
+    return ["full", *out]
+
+
+def _core_method_parser():
+    try:
+        from rcr.methods import parse_method  # the core's validator
+
+        return parse_method
+    except ImportError:  # the core is not importable: accept the documented labels
+        known = set(PAPER_METHODS) | set(LATER_METHODS) | {"rcr_layer"}
+
+        def parse(label: str):
+            base, _, arg = label.partition("@")
+            if base not in known:
+                raise ValueError(f"known methods: {', '.join(sorted(known))}")
+            if arg:
+                float(arg)
+            return label
+
+        return parse
+
+
+def validate_model(model: Any) -> None:
+    if not isinstance(model, str) or not model:
+        raise ConfigError("model", f"must be a non-empty string, got {model!r}")
+    if model == EMBEDDED:
+        return  # the embedded checkpoint's presence is checked by the driver (it may be built after config)
+    p = Path(model).expanduser()
+    if p.exists():
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError("model", f"local checkpoint {p} has no config.json")
+        try:
+            model_type = json.loads(cfg_file.read_text()).get("model_type")
+        except json.JSONDecodeError as e:
+            raise ConfigError("model", f"{cfg_file} is not valid JSON: {e}") from None
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError("model", f"{p} has model_type '{model_type}'; supported: "
+                                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        return
+    if any(pat.match(model) for pat in KNOWN_HUB_PATTERNS):
+        return
+    raise ConfigError("model", f"unknown model '{model}': not a local checkpoint directory and not a supported "
+                               "hub id (Qwen/Qwen2-VL-*, llava-hf/llava-v1.6-*, Qwen/Qwen3-VL-*) or 'embedded'")
+
+
+def validate_rcr(values: Any) -> dict[str, Any]:
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError("rcr", f"must be a mapping of RCRConfig fields, got {values!r}")
+    try:
+        import rcr
+    except ImportError:
+        return dict(values)
+    cls = getattr(rcr, "RCRConfig", None)
+    if cls is None:
+        return dict(values)
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else None
+    for k in values:
+        if names is not None and k not in names:
+            raise ConfigError(f"rcr.{k}", f"unknown RCRConfig field; known: {', '.join(sorted(names))}")
+    try:
+        cfg = cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError("rcr", str(e)) from None
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(values)
+
+
+def model_slug(model: str) -> str:
+    name = Path(model).name if Path(model).expanduser().exists() else model.rsplit("/", 1)[-1]
+    return re.sub(r"[^\w.-]+", "-", name).strip("-").lower() or "model"
+
+
+def model_fingerprint(model: str) -> str:
+    """For local checkpoints: config.json and the weight files' sizes (content changes change outputs)."""
+    p = EMBEDDED_MODEL_DIR if model == EMBEDDED else Path(model).expanduser()
+    if not p.is_dir():
+        return model
+    h = hashlib.sha256()
+    cfg = p / "config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def resolve_tracking_uri(uri: str) -> str:
+    """Make a file/sqlite tracking location absolute; leave http(s)/databricks URIs alone."""
+    if not isinstance(uri, str) or not uri:
+        raise ConfigError("mlflow_uri", f"must be a non-empty string, got {uri!r}")
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):]
+        if path.startswith("/"):  # sqlite:////abs/path
+            return uri
+        return "sqlite:///" + str(Path(path).expanduser().resolve())
+    if uri.startswith("file:"):
+        path = uri[len("file:"):].lstrip("/")
+        return "file://" + str(Path("/" + path if uri.startswith("file:/") else path).expanduser().resolve())
+    if re.match(r"^[a-z][a-z0-9+.-]*://", uri):
+        return uri
+    return "file://" + str(Path(uri).expanduser().resolve())  # a bare directory
+
+
+def _parse_kv_list(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError("rcr", f"expected key=value, got '{item}'")
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
+    what = task or "the"
+    p = argparse.ArgumentParser(
+        description=f"Run {what} evaluation job: every method on every sample, one Parquet row per (sample, method).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", help="YAML file of JobConfig fields; flags override it")
+    if task is None:
+        p.add_argument("--task", choices=TASKS)
+    p.add_argument("--model", help="'embedded' (default), a local checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct")
+    p.add_argument("--shards", nargs="+", help="Parquet shard files/dirs/globs in the input schema; 'embedded' (default)")
+    p.add_argument("--methods", help="comma-separated method labels, e.g. full,bacon,rcr,fixed@0.05 (full is always run)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
+    p.add_argument("--limit", type=int, help="first N input rows")
+    p.add_argument("--batch-size", dest="batch_size", type=int)
+    p.add_argument("--num-actors", dest="num_actors", type=int)
+    p.add_argument("--output-dir", dest="output_dir", help="default ~/rcr-runs/<job name>")
+    p.add_argument("--mlflow-uri", dest="mlflow_uri", help="default sqlite:///~/rcr-runs/mlflow.db")
+    p.add_argument("--experiment")
+    p.add_argument("--job-name", dest="job_name")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--gpus-per-actor", dest="gpus_per_actor", type=float)
+    p.add_argument("--cpus-per-actor", dest="cpus_per_actor", type=float)
+    p.add_argument("--torch-threads", dest="torch_threads", type=int)
+    p.add_argument("--max-restarts", dest="max_restarts", type=int)
+    p.add_argument("--max-task-retries", dest="max_task_retries", type=int)
+    p.add_argument("--max-image-pixels", dest="max_image_pixels", type=int)
+    p.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None)
+    p.add_argument("--rcr", action="append", metavar="KEY=VALUE", help="an rcr.RCRConfig field (repeatable)")
+    p.add_argument("--ray-address", dest="ray_address")
+    p.add_argument("--no-summary", dest="summary", action="store_false", default=None)
+    return p

@@ -1,0 +1,387 @@
+"""The job driver: validate, plan the missing work, stream shards through Ray actors, write Parquet.
+
+::
+
+    cfg = JobConfig.from_args(task="detailcaps")   # validated: bad fields fail here, before any model work
+    report = pipeline.run.run(cfg)
+
+Steps:
+
+1. Resolve the shards and check each one's schema against ``INPUT_SCHEMA`` (an error names the column).
+   Read only their ``sample_id`` column to list the rows in scope (``limit`` = the first N rows).
+2. Resume: read the keys already in the output directory (only rows of the same config hash count; a
+   directory holding another config's rows is refused). Plan the missing (sample, method) pairs.
+3. Rows the driver can reject on their own (a duplicate or missing sample_id) become error rows here.
+4. Ray Data: ``read_parquet`` -> keep the planned rows (and tag each with its missing methods) ->
+   blocks of ``batch_size`` rows -> ``map_batches(SampleEvaluator, concurrency=num_actors,
+   num_gpus=1 or 0)`` -> the driver writes each output block as one atomic Parquet part.
+5. Summary: the statistics module's per-method table, MLflow logging from the driver only, and the
+   absolute locations of the Parquet files and the MLflow runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.actor import METHODS_COLUMN, SampleEvaluator, error_rows
+from pipeline.config import EMBEDDED, EMBEDDED_MODEL_DIR, REPO_ROOT, ConfigError, JobConfig
+from pipeline.io import (OutputStore, Plan, fingerprint_row, make_plan, new_run_id, read_rows, resolve_shards,
+                         scan_shards)
+
+READER_CPUS = 0.25  # read/select tasks are light; small CPU requests keep them schedulable beside the actors
+DATA_RESERVE_CPUS = 1.0  # Ray Data's file-listing task asks for 1 CPU; CPU-only actors leave room for it
+
+
+def say(msg: str) -> None:
+    print(f"[rcr-job] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------- inputs
+
+
+def embedded_shards(task: str) -> list[str]:
+    """The embedded synthetic shards for ``task``: shipped ones if present, else generated once (deterministic)."""
+    shipped = REPO_ROOT / "assets" / "embedded" / "shards" / task
+    if shipped.is_dir() and any(shipped.glob("*.parquet")):
+        return [str(shipped)]
+    cache = Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser() / "shards" / task
+    if not (cache.is_dir() and any(cache.glob("*.parquet"))):
+        write_embedded_shards(task, cache)
+    return [str(cache)]
+
+
+def write_embedded_shards(task: str, out_dir: Path, n: int | None = None) -> None:
+    try:
+        from pipeline import data
+    except ImportError as e:
+        raise ConfigError("shards", f"no embedded shards for '{task}' and pipeline.data is unavailable ({e}); "
+                                    "pass --shards") from None
+    writer = getattr(data, "write_synthetic_shards", None)
+    if writer is None:
+        raise ConfigError("shards", "pipeline.data has no write_synthetic_shards(); pass --shards")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    say(f"writing the embedded synthetic {task} shards to {out_dir}")
+    writer(task=task, out_dir=str(out_dir), **({} if n is None else {"n": n}))
+
+
+def check_model_available(cfg: JobConfig) -> None:
+    if cfg.model == EMBEDDED and not (EMBEDDED_MODEL_DIR / "config.json").is_file():
+        raise ConfigError("model", f"the embedded model is missing at {EMBEDDED_MODEL_DIR} (it ships with the "
+                                   "repository; train it with jobs/train_embedded.py or pass --model)")
+
+
+def plan_job(cfg: JobConfig, store: OutputStore) -> tuple[list[str], Plan]:
+    shard_specs = cfg.shards
+    shards = embedded_shards(cfg.task) if shard_specs == [EMBEDDED] else shard_specs
+    paths = resolve_shards(shards)
+    rows, dup_accept = scan_shards(paths, cfg.limit)
+    if not rows:
+        raise ConfigError("shards", "the shards hold no rows")
+    existing = store.existing_keys(cfg.config_hash)
+    return paths, make_plan(rows, cfg.methods, existing, dup_accept)
+
+
+# ---------------------------------------------------------------------- Ray stages
+
+
+def _select(batch: pa.Table, todo: dict[str, list[str]], dup_accept: dict[str, str]) -> pa.Table:
+    """Keep planned rows only (the first occurrence of a duplicated id); tag each with its missing methods."""
+    ids = batch.column("sample_id").to_pylist()
+    keep, methods = [], []
+    for i, sid in enumerate(ids):
+        ok = sid in todo
+        if ok and sid in dup_accept:
+            ok = fingerprint_row(batch.slice(i, 1).to_pylist()[0]) == dup_accept[sid]
+        if ok:
+            keep.append(i)
+            methods.append(todo[sid])
+    out = batch.take(pa.array(keep, pa.int64()))
+    return out.append_column(METHODS_COLUMN, pa.array(methods, pa.list_(pa.string())))
+
+
+def _ray_init(cfg: JobConfig):
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, log_to_driver=True)
+    elif os.environ.get("RAY_ADDRESS"):  # inside `ray job submit`: the job's cluster
+        ray.init(log_to_driver=True)
+    else:  # a plain `python jobs/x.py`: a private in-process cluster on 127.0.0.1
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                     p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}})
+    return ray
+
+
+def actor_resources(cfg: JobConfig, cluster: dict[str, float]) -> dict[str, float]:
+    """GPU per actor where the cluster has GPUs; on CPU-only clusters leave CPU room for the readers.
+
+    Pitfalls with ``num_gpus=0``: Ray hides all GPUs from such a worker (CUDA_VISIBLE_DEVICES=""), so the
+    device is chosen inside the actor from what it can see, never on the driver; and actors that take
+    every CPU starve Ray Data's listing and read tasks (the job hangs with the actors idle), so on
+    CPU-only clusters each actor asks for at most ``(CPUs - 1) / num_actors``.
+    """
+    gpus = cluster.get("GPU", 0.0)
+    n_gpu = cfg.gpus_per_actor if cfg.gpus_per_actor is not None else (1.0 if gpus >= 1 else 0.0)
+    if n_gpu > 0 and gpus < n_gpu:
+        raise ConfigError("gpus_per_actor", f"{n_gpu} GPU(s) per actor, but the cluster has {gpus}")
+    cpus = cluster.get("CPU", 1.0)
+    if cfg.cpus_per_actor is not None:
+        n_cpu = cfg.cpus_per_actor
+    elif n_gpu > 0:
+        n_cpu = 1.0
+    else:
+        n_cpu = max(0.1, min(1.0, (cpus - DATA_RESERVE_CPUS) / cfg.num_actors))
+    if cfg.torch_threads:
+        threads = cfg.torch_threads
+    elif n_gpu > 0:
+        threads = 4
+    else:
+        threads = max(1, int(cpus // cfg.num_actors))
+    return {"num_gpus": float(n_gpu), "num_cpus": float(round(n_cpu, 3)), "torch_threads": int(threads)}
+
+
+def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: dict[str, float]):
+    from pipeline.schema import INPUT_SCHEMA
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.max_errored_blocks = 0
+    ds = ray.data.read_parquet(paths, columns=list(INPUT_SCHEMA.names), num_cpus=READER_CPUS)
+    ds = ds.map_batches(_select, fn_kwargs={"todo": plan.todo, "dup_accept": plan.dup_accept},
+                        batch_format="pyarrow", batch_size=None, num_cpus=READER_CPUS)
+    ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
+    actor_cfg = cfg.to_dict()
+    actor_cfg["torch_threads"] = res["torch_threads"]
+    ds = ds.map_batches(
+        SampleEvaluator,
+        fn_constructor_kwargs={"config": actor_cfg, "config_hash": cfg.config_hash},
+        batch_size=cfg.batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
+        num_gpus=res["num_gpus"],
+        num_cpus=res["num_cpus"],
+        max_restarts=cfg.max_restarts,
+        max_task_retries=cfg.max_task_retries,
+    )
+    return ds
+
+
+# ---------------------------------------------------------------------- the job
+
+
+class _Progress:
+    def __init__(self, total_pairs: int, total_samples: int, every_s: float):
+        self.total_pairs, self.total_samples, self.every_s = total_pairs, total_samples, every_s
+        self.pairs = 0
+        self.samples: set[str] = set()
+        self.errors = 0
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+
+    def update(self, table: pa.Table, force: bool = False) -> None:
+        self.pairs += table.num_rows
+        self.samples.update(table.column("sample_id").to_pylist())
+        self.errors += table.num_rows - table.column("error").null_count
+        now = time.perf_counter()
+        if force or now - self.last >= self.every_s or self.pairs >= self.total_pairs:
+            self.last = now
+            el = now - self.t0
+            rate = len(self.samples) / el if el > 0 else 0.0
+            left = self.total_samples - len(self.samples)
+            eta = f", ETA {left / rate:.0f}s" if rate > 0 and left > 0 else ""
+            say(f"progress: {self.pairs}/{self.total_pairs} rows, {len(self.samples)}/{self.total_samples} samples, "
+                f"{self.errors} error rows, {rate:.2f} samples/s, {el:.0f}s elapsed{eta}")
+
+
+def run(cfg: JobConfig) -> dict[str, Any]:
+    """Run one job to completion (or to the first unrecoverable failure). Returns a report dict."""
+    t_start = time.perf_counter()
+    store = OutputStore(cfg.output_dir)
+    say(f"job {cfg.job_name}: task={cfg.task} model={cfg.model} methods={','.join(cfg.methods)} "
+        f"max_new_tokens={cfg.max_new_tokens} config_hash={cfg.config_hash}")
+    say(f"output dir: {cfg.output_dir}")
+    say(f"mlflow: {cfg.mlflow_uri}")
+    check_model_available(cfg)
+    paths, plan = plan_job(cfg, store)
+    run_id = new_run_id()
+    n_samples_todo = len(plan.todo) + len(plan.driver_errors)
+    say(f"{len(paths)} shard file(s), {len(plan.rows)} samples x {len(plan.methods)} methods = {plan.n_pairs} rows; "
+        f"{plan.n_existing} already in the output dir, {plan.n_todo_pairs} to compute "
+        f"({n_samples_todo} samples), run id {run_id}")
+    record: dict[str, Any] = {
+        "run_id": run_id, "job_name": cfg.job_name, "config_hash": cfg.config_hash, "config": cfg.to_dict(),
+        "shards": paths, "n_samples": len(plan.rows), "methods": plan.methods, "n_pairs": plan.n_pairs,
+        "n_existing": plan.n_existing, "n_planned": plan.n_todo_pairs,
+        "planned": sorted([k, m] for k, ms in {**plan.todo, **{r.key: plan.missing_for(r.key) for r in
+                                                              plan.driver_errors}}.items() for m in ms),
+        "status": "running", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    store.write_run_record(run_id, record)
+
+    written: set[tuple[str, str]] = set()
+    expected = {(k, m) for k, m in record["planned"]}
+    progress = _Progress(plan.n_todo_pairs, n_samples_todo, cfg.progress_every_s)
+    seq = 0
+
+    def write(table: pa.Table) -> None:
+        nonlocal seq
+        keys = list(zip(table.column("sample_id").to_pylist(), table.column("method").to_pylist()))
+        mask = []
+        for k in keys:
+            ok = k in expected and k not in written
+            mask.append(ok)
+            if ok:
+                written.add(k)
+        dropped = len(mask) - sum(mask)
+        if dropped:
+            say(f"dropping {dropped} row(s) already written or not planned (a retried batch)")
+            table = table.filter(pa.array(mask))
+        if table.num_rows:
+            store.write_part(table, run_id, seq)
+            seq += 1
+            progress.update(table)
+
+    # 1. rows the driver rejects itself (duplicate / missing sample_id): no model work
+    if plan.driver_errors:
+        from pipeline.schema import output_table
+
+        full_rows = read_rows(plan.driver_errors)
+        out = []
+        for r in plan.driver_errors:
+            out.extend(error_rows(full_rows[(r.file, r.row)], plan.missing_for(r.key), r.error, cfg,
+                                  cfg.config_hash, key=r.key))
+        write(output_table(out))
+
+    # 2. the model work, through Ray
+    status = "ok"
+    error = None
+    if plan.todo:
+        ray = _ray_init(cfg)
+        res = actor_resources(cfg, ray.cluster_resources())
+        say(f"ray: {ray.cluster_resources().get('CPU', 0):.0f} CPU / {ray.cluster_resources().get('GPU', 0):.0f} GPU; "
+            f"{cfg.num_actors} actor(s) x (num_gpus={res['num_gpus']:g}, num_cpus={res['num_cpus']:g}, "
+            f"torch threads {res['torch_threads']}), batch size {cfg.batch_size}")
+        ds = _build_dataset(ray, cfg, paths, plan, res)
+        try:
+            for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                write(block)
+        except Exception as e:  # noqa: BLE001 - record, report, and exit non-zero below
+            status, error = "failed", f"{type(e).__name__}: {e}"
+            say(f"the Ray pipeline failed: {error}")
+
+    missing = sorted(expected - written)
+    if missing and status == "ok":
+        status = "incomplete"
+    record.update(status=status, error=error, n_written=len(written), n_missing=len(missing),
+                  finished=time.strftime("%Y-%m-%dT%H:%M:%S"), wall_s=time.perf_counter() - t_start,
+                  written_parts=seq)
+    store.write_run_record(run_id, record)
+    if missing:
+        say(f"{len(missing)} planned row(s) were not written (e.g. {missing[0]}); rerun the same command to "
+            "compute only those")
+    say(f"wrote {len(written)} row(s) in {seq} part file(s) in {time.perf_counter() - t_start:.1f}s")
+
+    report = {"run_id": run_id, "status": status, "output_dir": cfg.output_dir, "mlflow_uri": cfg.mlflow_uri,
+              "n_pairs": plan.n_pairs, "n_existing": plan.n_existing, "n_written": len(written),
+              "n_missing": len(missing), "error": error}
+    if cfg.summary:
+        report.update(summarize(cfg, store))
+    say(f"Parquet: {cfg.output_dir}  (pandas: pd.read_parquet({cfg.output_dir!r}))")
+    say(f"MLflow runs: {cfg.mlflow_uri}  (UI: mlflow ui --backend-store-uri {cfg.mlflow_uri})")
+    return report
+
+
+# ---------------------------------------------------------------------- summary
+
+
+def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
+    """The per-method summary of the whole output dir (this run and earlier ones), and MLflow logging."""
+    import pandas as pd
+
+    table = store.read()
+    if table is None:
+        return {}
+    df = table.to_pandas()
+    df = df[(df["config_hash"] == cfg.config_hash) & (df["method"].isin(cfg.methods))]
+    out: dict[str, Any] = {}
+    text = None
+    analysis = None
+    try:
+        from pipeline import metrics
+
+        analysis = metrics.analyze(df)
+        text = metrics.format_summary(analysis)
+    except Exception as e:  # noqa: BLE001 - the summary must never lose the outputs
+        say(f"pipeline.metrics unavailable or failed ({type(e).__name__}: {e}); printing the minimal summary")
+    if text is None:
+        text = minimal_summary(df)
+    print(text, flush=True)
+    out["summary"] = text
+    try:
+        from pipeline import tracking
+    except ImportError:
+        say("pipeline.tracking is not available; MLflow logging skipped (MLflow can be rebuilt from the Parquet)")
+        return out
+    try:
+        info = tracking.log_job(df=df, config=cfg.to_dict(), analysis=analysis, tracking_uri=cfg.mlflow_uri,
+                                experiment=cfg.experiment, output_dir=cfg.output_dir, job_name=cfg.job_name)
+        out["mlflow"] = info
+    except Exception as e:  # noqa: BLE001
+        say(f"MLflow logging failed ({type(e).__name__}: {e}); the Parquet output is complete")
+    return out
+
+
+def minimal_summary(df) -> str:
+    """Per method: rows, errors, fidelity mean (ROUGE-L F1 vs full, whitespace tokens), refresh fraction."""
+    import numpy as np
+
+    ok = df[df["error"].isna()]
+    full = ok[ok["method"] == "full"].set_index("sample_id")["output_text"].to_dict()
+    lines = [f"{'method':<18}{'rows':>6}{'errors':>8}{'fidelity':>10}{'refresh':>9}"]
+    for m, g in df.groupby("method", sort=False):
+        gok = g[g["error"].isna()]
+        fid = [_rouge_l(full[s], t) for s, t in zip(gok["sample_id"], gok["output_text"]) if s in full]
+        rf = gok["refresh_fraction"].dropna()
+        lines.append(f"{m:<18}{len(g):>6}{len(g) - len(gok):>8}"
+                     f"{(np.mean(fid) if fid else float('nan')):>10.3f}{(rf.mean() if len(rf) else float('nan')):>9.3f}")
+    return "\n".join(lines)
+
+
+def _rouge_l(ref: str, cand: str) -> float:
+    a, b = (ref or "").split(), (cand or "").split()
+    if not a and not b:
+        return 1.0
+    if not a or not b:
+        return 0.0
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    p, r = lcs / len(b), lcs / len(a)
+    return 2 * p * r / (p + r)
+
+
+def main(task: str | None, argv: list[str] | None = None) -> int:
+    """Entry point shared by jobs/*.py: parse + validate the config, run, exit non-zero on failure."""
+    try:
+        cfg = JobConfig.from_args(argv, task=task)
+        report = run(cfg)
+    except ConfigError as e:
+        print(f"[rcr-job] {e}", file=sys.stderr, flush=True)
+        return 2
+    if report["status"] != "ok":
+        return 1
+    return 0

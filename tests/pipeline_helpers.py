@@ -1,0 +1,307 @@
+"""Helpers for the pipeline tests: shards, bad inputs, a fake engine, a tiny saved checkpoint, a local Ray head.
+
+The fake engine stands in for the core library where a test is about the pipeline's mechanics (resume,
+faults, error rows), not about the methods: it is deterministic, needs no model, and can be made slow so
+that a test can kill an actor or a job mid-run.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+RAY = str(Path(PY).parent / "ray")
+
+
+# ---------------------------------------------------------------------- shards
+
+
+def synthetic_records(task: str, n: int, seed: int = 0) -> list[dict]:
+    from pipeline.synthetic import make_record
+
+    return [make_record(task, seed, i) for i in range(n)]
+
+
+def write_shard(path: Path, records: list[dict]) -> Path:
+    from pipeline.schema import INPUT_SCHEMA
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([pa.field(f.name, f.type) for f in INPUT_SCHEMA])  # nullable: bad rows allowed
+    pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+    return path
+
+
+def _img_bytes(img, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def bad_input_records(base: dict) -> tuple[list[dict], dict[str, str | None]]:
+    """One record per kind of bad input, plus the awkward-but-valid image modes.
+
+    Returns (records, expectation) where expectation maps each output sample_id to the substring its
+    error must contain, or None if it must have an output.
+    """
+    from PIL import Image
+
+    rgb = Image.open(io.BytesIO(base["images"][0])).convert("RGB")
+    png = base["images"][0]
+
+    def rec(sid, **kw):
+        r = dict(base, sample_id=sid)
+        r.update(kw)
+        return r
+
+    huge = _img_bytes(Image.new("1", (12000, 12000)), "PNG")  # 144 MP, a few KB on disk
+    records = [
+        rec("good-a"),
+        rec("corrupt", images=[png[: len(png) // 3]]),  # truncated PNG
+        rec("garbage", images=[b"this is not an image at all" * 10]),
+        rec("empty-image", images=[b""]),
+        rec("huge", images=[huge]),
+        rec("cmyk", images=[_img_bytes(rgb.convert("CMYK"), "JPEG")]),
+        rec("rgba", images=[_img_bytes(rgb.convert("RGBA"), "PNG")]),
+        rec("grey", images=[_img_bytes(rgb.convert("L"), "PNG")]),
+        rec("video-0-frames", task="video", images=[], prompt="Describe what happens in this video."),
+        rec("empty-prompt", prompt="   "),
+        rec("good-b", images=[_img_bytes(rgb.transpose(Image.FLIP_LEFT_RIGHT), "PNG")]),
+        rec("good-a", prompt=base["prompt"] + " Again."),  # duplicate sample_id -> good-a#dup2
+    ]
+    expect = {
+        "good-a": None, "good-b": None, "cmyk": None, "rgba": None, "grey": None,
+        "corrupt": "corrupt", "garbage": "corrupt or not an image", "empty-image": "empty (0 bytes)",
+        "huge": "huge", "video-0-frames": "0 frames", "empty-prompt": "prompt is empty",
+        "good-a#dup2": "duplicate sample_id 'good-a'",
+    }
+    return records, expect
+
+
+# ---------------------------------------------------------------------- fake engine
+
+
+class FakeResult:
+    def __init__(self, seqs: list[list[int]], n_layers: int, seed: int, prefill_s: float, decode_s: float):
+        self.seqs, self.n_layers, self.seed = seqs, n_layers, seed
+        self.lengths = np.array([len(s) for s in seqs])
+        self.prefill_s, self.decode_s = prefill_s, decode_s
+
+    def sample(self, b: int) -> dict:
+        t = len(self.seqs[b])
+        rng = np.random.default_rng(self.seed + b)
+        drift = rng.random((self.n_layers, t)).astype(np.float32) * 0.1
+        trig = drift > 0.05
+        return {
+            "tokens": np.array(self.seqs[b]), "n_steps": t, "drift": drift, "drift_exact": None,
+            "trigger": trig, "tau": np.full((self.n_layers, t), 0.05, np.float32), "top_prefix_pos": None,
+            "refresh_fraction": float(trig.mean()) if t else 0.0, "mean_drift": float(drift.mean()) if t else None,
+            "keys_read_per_step": 160.0, "values_read_per_step": 32.0, "detector_dots_per_step": 10.0,
+            "prefix_len": 64,
+        }
+
+
+class FakeEngine:
+    """Deterministic stand-in for the core: output tokens are a function of (prompt, image bytes, method)."""
+
+    delay_s = 0.0  # per sample and call
+
+    def __init__(self, cfg, device, dtype):
+        self.cfg = cfg
+        self.n_layers = 2
+        self.calls = 0
+
+    def run(self, prompts, images, methods, task=None):
+        self.calls += 1
+        if any("CRASH" in p for p in prompts):
+            raise RuntimeError("fake engine crash on request")
+        time.sleep(self.delay_s * len(prompts))
+        out = {}
+        for m in methods:
+            seqs = []
+            for p, ims in zip(prompts, images):
+                h = zlib.crc32((p + m + "".join(f"{im.size}{im.mode}" for im in ims)).encode())
+                n = 3 + h % 5 if m != "full" else 6
+                seqs.append([(h >> k) % 90 + 4 for k in range(min(n, self.cfg.max_new_tokens))])
+            out[m] = FakeResult(seqs, self.n_layers, zlib.crc32(m.encode()), 0.01, 0.02)
+        return out
+
+    def decode(self, ids) -> str:
+        return " ".join(f"w{int(i)}" for i in ids)
+
+    def recover(self) -> None:
+        pass
+
+
+class SlowFakeEngine(FakeEngine):
+    delay_s = 1.0
+
+
+# ---------------------------------------------------------------------- models
+
+
+def fake_model_dir(root: Path) -> Path:
+    """A directory that passes the model check (config.json with a supported model_type); no weights."""
+    d = root / "fake-model"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    return d
+
+
+def tiny_qwen2_vl_dir(root: Path) -> Path:
+    """A tiny random Qwen2-VL saved like a real checkpoint (model + processor), built from a config."""
+    d = root / "tiny-qwen2-vl"
+    if (d / "config.json").is_file():
+        return d
+    sys.path.insert(0, str(REPO / "tests"))
+    import tiny_models
+
+    model, proc = tiny_models.qwen2_vl()
+    model.save_pretrained(d)
+    proc.save_pretrained(d)
+    return d
+
+
+def core_ready() -> bool:
+    try:
+        import rcr
+        import rcr.models
+
+        return hasattr(rcr, "generate") and hasattr(rcr.models, "load") and hasattr(rcr.models, "build_inputs")
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# ---------------------------------------------------------------------- a local Ray head on 127.0.0.1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRayHead:
+    """`ray start --head --block` on 127.0.0.1 with private ports and temp dir; stopped by its own pid.
+
+    ``ray stop`` would stop every Ray process on the machine (other people's too), so this never calls it:
+    the blocking ``ray start`` process is in its own process group, and stopping it (SIGTERM, then SIGKILL
+    to the group) takes down the head it started. Leftovers are found by the private temp dir in their
+    command line and killed by pid.
+    """
+
+    def __init__(self, tmp: Path, num_cpus: int = 2):
+        self.tmp = Path(tmp)
+        # the session dir path must stay short (unix socket paths are limited to 107 bytes)
+        self.temp_dir = Path("/tmp") / f"rcrt{os.getpid()}_{free_port()}"
+        self.num_cpus = num_cpus
+        self.proc: subprocess.Popen | None = None
+        self.gcs_port = free_port()
+        self.dashboard_port = free_port()
+        self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.log = self.tmp / "ray-head.log"
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        env.pop("RAY_ADDRESS", None)
+        env["RAY_ADDRESS"] = self.address
+        env["PATH"] = f"{Path(PY).parent}:{env.get('PATH', '')}"
+        env["RAY_USAGE_STATS_ENABLED"] = "0"
+        return env
+
+    def start(self, timeout: float = 180) -> "LocalRayHead":
+        ports = [free_port() for _ in range(8)]
+        lo = free_port() + 1000 if free_port() < 50000 else 20000
+        cmd = [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+               "--port", str(self.gcs_port), "--dashboard-host", "127.0.0.1",
+               "--dashboard-port", str(self.dashboard_port), "--include-dashboard", "true",
+               "--num-cpus", str(self.num_cpus), "--num-gpus", "0", "--temp-dir", str(self.temp_dir),
+               "--ray-client-server-port", str(ports[0]), "--node-manager-port", str(ports[1]),
+               "--object-manager-port", str(ports[2]), "--dashboard-agent-listen-port", str(ports[3]),
+               "--dashboard-agent-grpc-port", str(ports[4]), "--metrics-export-port", str(ports[5]),
+               "--runtime-env-agent-port", str(ports[6]),
+               "--min-worker-port", str(lo), "--max-worker-port", str(lo + 400),
+               "--object-store-memory", str(400 * 2**20), "--disable-usage-stats"]
+        env = self.env()
+        env.pop("RAY_ADDRESS")
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=str(self.tmp))
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                import urllib.request
+
+                with urllib.request.urlopen(f"{self.address}/api/version", timeout=2) as r:
+                    if r.status == 200:
+                        time.sleep(1.0)
+                        return self
+            except Exception:  # noqa: BLE001
+                time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"the Ray head did not come up in {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def submit(self, args: list[str], cwd: Path = REPO, timeout: float = 600, wait: bool = True,
+               runtime_env: dict | None = None) -> subprocess.CompletedProcess | subprocess.Popen:
+        cmd = [RAY, "job", "submit", "--address", self.address, "--working-dir", "."]
+        if runtime_env:
+            cmd += ["--runtime-env-json", json.dumps(runtime_env)]
+        cmd += ["--", "python", *args]
+        if wait:
+            return subprocess.run(cmd, cwd=cwd, env=self.env(), capture_output=True, text=True, timeout=timeout)
+        return subprocess.Popen(cmd, cwd=cwd, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+
+    def ray_cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([RAY, *args], env=self.env(), capture_output=True, text=True, timeout=timeout)
+
+    def own_pids(self) -> list[int]:
+        """Processes whose command line names this head's private temp dir or GCS port (its raylet, workers...)."""
+        marks = (str(self.temp_dir), f"127.0.0.1:{self.gcs_port}", f"--gcs-address=127.0.0.1:{self.gcs_port}")
+        pids = []
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit() or int(p.name) == os.getpid():
+                continue
+            try:
+                cmdline = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if any(m in cmdline for m in marks):
+                pids.append(int(p.name))
+        return pids
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        for _ in range(20):
+            left = self.own_pids()
+            if not left:
+                break
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+        import shutil
+
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -1,0 +1,78 @@
+"""The actor's callable class on plain dicts (no Ray), with a fake engine: rows, error rows, image modes."""
+
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_helpers import bad_input_records, fake_model_dir, synthetic_records  # noqa: E402
+
+from pipeline.actor import METHODS_COLUMN, SampleEvaluator  # noqa: E402
+from pipeline.config import JobConfig  # noqa: E402
+from pipeline.schema import OUTPUT_SCHEMA, validate_output_table  # noqa: E402
+
+METHODS = ["full", "bacon", "rcr"]
+
+
+@pytest.fixture
+def evaluator(tmp_path):
+    cfg = JobConfig.from_dict(dict(task="detailcaps", model=str(fake_model_dir(tmp_path)), methods=METHODS,
+                                   max_new_tokens=8, batch_size=3, engine="tests.pipeline_helpers:FakeEngine",
+                                   output_dir=str(tmp_path / "out")))
+    return SampleEvaluator(cfg.to_dict())
+
+
+def _columns(records):
+    return {k: [r[k] for r in records] for k in records[0]}
+
+
+def test_rows_per_sample_and_method(evaluator):
+    recs = synthetic_records("detailcaps", 4)
+    t = evaluator(_columns(recs))
+    assert isinstance(t, pa.Table) and t.schema.equals(OUTPUT_SCHEMA)
+    validate_output_table(t)
+    keys = set(zip(t.column("sample_id").to_pylist(), t.column("method").to_pylist()))
+    assert keys == {(r["sample_id"], m) for r in recs for m in METHODS}
+    df = t.to_pandas()
+    assert df["error"].isna().all()
+    assert (df["n_steps"] == df["output_ids"].map(len)).all()
+    row = df.iloc[0]
+    assert len(row["drift"]) == row["n_layers"] == 2 and len(row["drift"][0]) == row["n_steps"]
+    assert row["config_hash"] == evaluator.config_hash and row["references"].tolist() == recs[0]["references"]
+
+
+def test_resume_column_limits_methods(evaluator):
+    recs = synthetic_records("textcaps", 2)
+    cols = _columns(recs)
+    cols[METHODS_COLUMN] = [["rcr"], ["bacon", "rcr"]]
+    t = evaluator(cols)
+    assert sorted(zip(t.column("sample_id").to_pylist(), t.column("method").to_pylist())) == sorted(
+        [(recs[0]["sample_id"], "rcr"), (recs[1]["sample_id"], "bacon"), (recs[1]["sample_id"], "rcr")])
+
+
+def test_bad_inputs_become_error_rows(evaluator):
+    recs, expect = bad_input_records(synthetic_records("detailcaps", 1)[0])
+    recs = [r for r in recs if r is not recs[-1]]  # the duplicate id is the driver's business
+    expect.pop("good-a#dup2")
+    t = evaluator(pa.Table.from_pylist(recs)).to_pandas()
+    assert len(t) == len(recs) * len(METHODS)
+    for sid, err in expect.items():
+        rows = t[t["sample_id"] == sid]
+        assert len(rows) == len(METHODS), sid
+        if err is None:
+            assert rows["error"].isna().all(), (sid, rows["error"].tolist())
+            assert (rows["n_steps"] > 0).all()
+        else:
+            assert rows["error"].str.contains(err, regex=False).all(), (sid, rows["error"].tolist())
+
+
+def test_model_error_isolated_to_its_sample(evaluator):
+    recs = synthetic_records("detailcaps", 3)
+    recs[1]["prompt"] = "CRASH please"
+    t = evaluator(_columns(recs)).to_pandas()
+    bad = t[t["sample_id"] == recs[1]["sample_id"]]
+    assert bad["error"].str.contains("model error: RuntimeError: fake engine crash").all()
+    assert t[t["sample_id"] != recs[1]["sample_id"]]["error"].isna().all()
+    assert len(t) == 9

@@ -1,0 +1,74 @@
+"""The job config: one typed object, validated up front, errors naming the field."""
+
+import json
+
+import pytest
+
+from pipeline.config import ConfigError, JobConfig
+
+
+def test_defaults_resolve_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path / "runs"))
+    cfg = JobConfig.from_args([], task="detailcaps")
+    assert cfg.max_new_tokens == 512
+    assert cfg.methods[0] == "full"
+    assert cfg.model == "embedded" and cfg.shards == ["embedded"]
+    assert cfg.output_dir == str((tmp_path / "runs" / "detailcaps-embedded").resolve())
+    assert cfg.mlflow_uri == f"sqlite:///{(tmp_path / 'runs' / 'mlflow.db').resolve()}"
+    assert JobConfig.from_args([], task="textcaps").max_new_tokens == 64
+
+
+def test_flags_override_yaml(tmp_path):
+    y = tmp_path / "job.yaml"
+    y.write_text("methods: [full, rcr, bacon]\nbatch_size: 3\nlimit: 7\nrcr: {rho: 0.5}\n")
+    cfg = JobConfig.from_args(["--config", str(y), "--batch-size", "5", "--output-dir", "rel/out",
+                               "--mlflow-uri", "sqlite:///m.db"], task="textcaps")
+    assert cfg.batch_size == 5 and cfg.limit == 7 and cfg.methods == ["full", "rcr", "bacon"]
+    assert cfg.output_dir.startswith("/") and cfg.output_dir.endswith("rel/out")
+    assert cfg.mlflow_uri.startswith("sqlite:////")
+    assert cfg.rcr.get("rho") == 0.5
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--methods", "full,nosuchmethod"], "methods"),
+    (["--model", "acme/not-a-vlm"], "model"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--batch-size", "0"], "batch_size"),
+    (["--num-actors", "0"], "num_actors"),
+    (["--limit", "-3"], "limit"),
+    (["--rcr", "rho=7"], "rcr"),
+])
+def test_bad_values_name_the_field(argv, field):
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_args(argv, task="detailcaps")
+    assert e.value.field.startswith(field)
+    assert f"'{e.value.field}'" in str(e.value)
+
+
+def test_unknown_yaml_key_and_task_mismatch(tmp_path):
+    y = tmp_path / "job.yaml"
+    y.write_text("batch_sise: 3\n")
+    with pytest.raises(ConfigError, match="batch_sise"):
+        JobConfig.from_args(["--config", str(y)], task="detailcaps")
+    y.write_text("task: video\n")
+    with pytest.raises(ConfigError, match="field 'task'"):
+        JobConfig.from_args(["--config", str(y)], task="detailcaps")
+
+
+def test_local_checkpoint_model_type(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ConfigError, match="field 'model'.*bert"):
+        JobConfig.from_args(["--model", str(d)], task="detailcaps")
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    assert JobConfig.from_args(["--model", str(d)], task="detailcaps").model_path() == str(d.resolve())
+    for name in ("Qwen/Qwen2-VL-7B-Instruct", "llava-hf/llava-v1.6-mistral-7b-hf", "Qwen/Qwen3-VL-8B-Instruct"):
+        JobConfig.from_args(["--model", name], task="detailcaps")
+
+
+def test_config_hash_ignores_batching_and_paths():
+    a = JobConfig.from_args(["--batch-size", "2", "--limit", "3", "--output-dir", "/tmp/x"], task="detailcaps")
+    b = JobConfig.from_args(["--batch-size", "8", "--num-actors", "2"], task="detailcaps")
+    c = JobConfig.from_args(["--max-new-tokens", "100"], task="detailcaps")
+    assert a.config_hash == b.config_hash != c.config_hash

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import unicodedata
 import warnings
@@ -530,22 +531,52 @@ class Analysis:
                 if isinstance(getattr(self, f.name), pd.DataFrame)}
 
 
-def _fidelity_column(d: pd.DataFrame) -> pd.Series:
+def _rouge_pairs(pairs: list[tuple[str, str]], n_jobs: int | None = None) -> list[float]:
+    """``rouge_l_f1`` over (reference, candidate) pairs; in worker processes when there are many.
+
+    rouge-score's LCS is pure Python (~0.1 s for two 512-token outputs), so a DetailCaps-sized job
+    (thousands of pairs) is spread over ``n_jobs`` processes (default: the CPU count, at most 16)."""
+    if n_jobs is None:
+        n_jobs = min(16, os.cpu_count() or 1)
+    # LCS cost ~ product of the lengths; rouge-score does ~2.5M table cells per second
+    cells = sum(len(a.split()) * len(b.split()) for a, b in pairs if a != b)
+    if n_jobs <= 1 or cells < PARALLEL_MIN_CELLS:
+        return [rouge_l_f1(a, b) for a, b in pairs]
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    # spawn: the driver may hold Ray / torch threads, which fork does not copy safely
+    with cf.ProcessPoolExecutor(max_workers=n_jobs, mp_context=mp.get_context("spawn")) as ex:
+        refs, cands = zip(*pairs)
+        return list(ex.map(rouge_l_f1, refs, cands, chunksize=max(1, len(pairs) // (8 * n_jobs))))
+
+
+PARALLEL_MIN_CELLS = 50_000_000  # ~20 s of serial scoring: below that, worker start-up is not worth it
+
+
+def _fidelity_column(d: pd.DataFrame, n_jobs: int | None = None) -> pd.Series:
     """ROUGE-L F1 of every row's output against the ``full`` output of the same (model, sample)."""
     full = d[d[Col.METHOD] == FULL]
     ref = {(m, s): t for m, s, t in zip(_model_series(full), full[Col.SAMPLE_ID], full[Col.OUTPUT_TEXT])}
-    out = []
-    cache: dict[tuple[str, str], float] = {}
+    keys = []
     for m, s, t in zip(_model_series(d), d[Col.SAMPLE_ID], d[Col.OUTPUT_TEXT]):
-        r = ref.get((m, s))
-        if r is None:
-            out.append(np.nan)
-            continue
-        key = (r, t)
-        if key not in cache:
-            cache[key] = rouge_l_f1(r, t)
-        out.append(cache[key])
-    return pd.Series(out, index=d.index, dtype=float)
+        r = ref.get((m, s), _NO_REF)
+        keys.append(None if r is _NO_REF else ("" if r is None else str(r), "" if t is None else str(t)))
+    uniq = sorted({k for k in keys if k is not None})
+    scores = dict(zip(uniq, _rouge_pairs(uniq, n_jobs)))
+    return pd.Series([np.nan if k is None else scores[k] for k in keys], index=d.index, dtype=float)
+
+
+_NO_REF = object()
+
+
+def _ref_rouge_column(d: pd.DataFrame, n_jobs: int | None = None) -> list[float]:
+    """Max ROUGE-L F1 over each row's references (rows given all have references)."""
+    keys = [[(str(r), "" if t is None else str(t)) for r in refs if r is not None]
+            for refs, t in zip(d[Col.REFERENCES], d[Col.OUTPUT_TEXT])]
+    uniq = sorted({k for ks in keys for k in ks})
+    scores = dict(zip(uniq, _rouge_pairs(uniq, n_jobs)))
+    return [max(scores[k] for k in ks) if ks else np.nan for ks in keys]
 
 
 def _has_refs(x) -> bool:
@@ -571,7 +602,8 @@ def _sample_drift(d: pd.DataFrame) -> tuple[pd.Series, str | None]:
 
 
 def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, confidence: float = 0.95,
-            reference_metrics: bool = True, baselines: Sequence[str] = BASELINES) -> Analysis:
+            reference_metrics: bool = True, baselines: Sequence[str] = BASELINES,
+            n_jobs: int | None = None) -> Analysis:
     """Compute every statistic of a job from its output rows (see the module docstring).
 
     Args:
@@ -581,6 +613,7 @@ def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, 
         confidence: CI level (0.95).
         reference_metrics: compute ROUGE-L vs references and CIDEr where references exist.
         baselines: methods every other method is differenced against (paired).
+        n_jobs: processes for the ROUGE-L scoring when there are many pairs (default: CPU count, <= 16).
 
     Returns:
         :class:`Analysis`.
@@ -606,15 +639,14 @@ def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, 
     for c in (Col.TASK, Col.SOURCE):
         if c in d:
             ps[c] = d[c]
-    ps["fidelity"] = _fidelity_column(d)
+    ps["fidelity"] = _fidelity_column(d, n_jobs)
     ps["rougeL_ref"] = np.nan
     ps["cider"] = np.nan
     cider_ok = None
     if reference_metrics and Col.REFERENCES in d:
         has = d[Col.REFERENCES].map(_has_refs)
         if has.any():
-            ps.loc[has, "rougeL_ref"] = [rouge_l_multi(list(r), t) for r, t in
-                                         zip(d.loc[has, Col.REFERENCES], d.loc[has, Col.OUTPUT_TEXT])]
+            ps.loc[has, "rougeL_ref"] = _ref_rouge_column(d[has], n_jobs)
             try:
                 for (_, _), g in d[has].groupby([Col.MODEL, Col.METHOD], sort=False):
                     ps.loc[g.index, "cider"] = cider_scores(list(g[Col.OUTPUT_TEXT]),

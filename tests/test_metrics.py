@@ -284,3 +284,12 @@ def test_docs_pandas_queries_run(tmp_path, frame):
         exec(re.sub(r"(?m)^OUT = .*$", "", b), ns)
     assert {"per_method", "worst", "per_step"} <= set(ns)
     assert "rcr" in ns["per_method"].index and len(ns["worst"]) > 0 and len(ns["per_step"]) > 5
+
+
+def test_parallel_rouge_matches_serial(monkeypatch):
+    df = make_output_frame(n_samples=6, methods=("full", "bacon", "rcr"))
+    serial = M.analyze(df, bootstrap_resamples=200, n_jobs=1).per_sample
+    monkeypatch.setattr(M, "PARALLEL_MIN_CELLS", 1)
+    parallel = M.analyze(df, bootstrap_resamples=200, n_jobs=2).per_sample
+    pd.testing.assert_series_equal(serial.fidelity, parallel.fidelity)
+    pd.testing.assert_series_equal(serial.rougeL_ref, parallel.rougeL_ref)

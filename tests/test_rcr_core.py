@@ -26,7 +26,7 @@ def qwen_prefix():
     """A left-padded batch of 2 on the tiny Qwen2-VL with 64 visual tokens per image."""
     model, proc = tiny_models.qwen2_vl()
     inputs = tiny_models.batch_inputs(proc, [4, 20], image_size=224)
-    return model, inputs, rcr.prefill(model, inputs, SMALL_METHODS)
+    return model, inputs, rcr.prefill(model, inputs, SMALL)
 
 
 @dataclass
@@ -51,7 +51,7 @@ class BranchingRCR(RCR):
 def test_masked_merge_equals_python_branching_reference(qwen_prefix):
     model, inputs, prefix = qwen_prefix
     n = 24
-    ref = rcr.decode(model, prefix, BranchingRCR(config=SMALL_METHODS), n, eos_token_id=[])
+    ref = rcr.decode(model, prefix, BranchingRCR(config=SMALL), n, eos_token_id=[])
     got = rcr.generate(model, inputs, method="rcr", max_new_tokens=n, config=SMALL, ignore_eos=True)
     trig = got.telemetry.trigger
     assert 0.05 < trig.mean() < 0.95, "the sample must trigger at some layer-steps and not at others"
@@ -86,7 +86,7 @@ class CheckingRCR(RCR):
 
 def test_refresh_rewrites_only_selected_slots(qwen_prefix):
     model, _, prefix = qwen_prefix
-    m = CheckingRCR(config=SMALL_METHODS)
+    m = CheckingRCR(config=SMALL)
     rcr.decode(model, prefix, m, 12, eos_token_id=[])
     assert m.refreshes > 0
 
@@ -111,7 +111,7 @@ def test_rate_controller_tracks_quantile():
 def test_rcr_tau_follows_controller_in_layer_order(qwen_prefix):
     """tau is one value per sample, carried layer to layer and step to step."""
     model, _, prefix = qwen_prefix
-    r = rcr.decode(model, prefix, parse_method("rcr", SMALL_METHODS), 10, eos_token_id=[])
+    r = rcr.decode(model, prefix, parse_method("rcr", SMALL), 10, eos_token_id=[])
     tau = r.telemetry.tau[0].T.ravel()  # (steps * layers) in execution order
     trig = r.telemetry.trigger[0].T.ravel()
     expect = tau[:-1] * np.exp(SMALL.step * (trig[:-1] - SMALL.rho))
@@ -245,12 +245,12 @@ def test_bacon_selection_of_a_sample_does_not_depend_on_its_batch():
     model, proc = tiny_models.qwen2_vl()
     words = [3, 30, 12]
     batch = tiny_models.batch_inputs(proc, words, image_size=224)
-    pb = rcr.prefill(model, batch, SMALL_METHODS)
-    sel_b = build_cache(parse_method("bacon", SMALL_METHODS), pb, 1)
+    pb = rcr.prefill(model, batch, SMALL)
+    sel_b = build_cache(parse_method("bacon", SMALL), pb, 1)
     for i, nw in enumerate(words):
         alone = tiny_models.batch_inputs(proc, [nw], image_size=224, seed=i)
-        pa = rcr.prefill(model, alone, SMALL_METHODS)
-        sel_a = build_cache(parse_method("bacon", SMALL_METHODS), pa, 1)
+        pa = rcr.prefill(model, alone, SMALL)
+        sel_a = build_cache(parse_method("bacon", SMALL), pa, 1)
         pad = int(pb.pad[i])
         for lb, la in zip(sel_b.layers, sel_a.layers):
             assert torch.equal(lb.selection[i] - pad, la.selection[0])
@@ -296,11 +296,11 @@ def test_one_prefill_serves_every_method_and_no_method_alters_the_prefix_store()
     assert len(vision_calls) == 1, "the vision tower must run once for all methods"
     assert set(res) == set(ALL_METHODS)
 
-    prefix = rcr.prefill(model, inputs, SMALL_METHODS)
+    prefix = rcr.prefill(model, inputs, SMALL)
     snap = [(pl.keys.clone(), pl.values.clone(), pl.window_queries.clone()) for pl in prefix.layers]
-    full = rcr.decode(model, prefix, parse_method("full", SMALL_METHODS), 6, eos_token_id=[])
+    full = rcr.decode(model, prefix, parse_method("full", SMALL), 6, eos_token_id=[])
     ref = rcr.answer_attention_scores(model, prefix, full)
     for label in ALL_METHODS:
-        rcr.decode(model, prefix, parse_method(label, SMALL_METHODS), 6, eos_token_id=[], reference_scores=ref)
+        rcr.decode(model, prefix, parse_method(label, SMALL), 6, eos_token_id=[], reference_scores=ref)
     for (k, v, q), pl in zip(snap, prefix.layers):
         assert torch.equal(k, pl.keys) and torch.equal(v, pl.values) and torch.equal(q, pl.window_queries)

@@ -196,7 +196,24 @@ def write_synthetic(out_dir: str | os.PathLike, task: str, n: int, seed: int = 0
                         extra={"task": task, "seed": seed, "source": "synthetic"})
 
 
+# default sizes of the embedded job's synthetic shards (the paper's sample counts for the real datasets)
+EMBEDDED_SIZES = {"detailcaps": 300, "textcaps": 500, "video": 100}
+
+
+def write_synthetic_shards(task: str, out_dir: str | os.PathLike, n: int | None = None, seed: int | None = None,
+                           shard_size: int = 256, workers: int = 1) -> list[Path]:
+    """The embedded default's shards: held-out synthetic samples (seed ``synthetic.HELDOUT_SEED``, never
+    seen in training) of ``task``; ``n`` defaults to ``EMBEDDED_SIZES[task]``."""
+    from pipeline import synthetic
+
+    synthetic.check_task(task)
+    n = EMBEDDED_SIZES[task] if n is None else n
+    seed = synthetic.HELDOUT_SEED if seed is None else seed
+    return write_synthetic(out_dir, task, n, seed, shard_size, workers)
+
+
 __all__ = [
     "DataError", "SchemaError", "INPUT_SCHEMA", "decode_image", "encode_image", "sample_images", "write_shard",
     "write_shards", "mark_complete", "read_input", "iter_input_rows", "synthetic_records", "write_synthetic",
+    "write_synthetic_shards", "EMBEDDED_SIZES",
 ]

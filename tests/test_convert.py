@@ -1,0 +1,241 @@
+"""Converters for the real datasets, on small local files laid out like each source. No downloads."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from pipeline import convert, data
+from pipeline.schema import INPUT_SCHEMA, SchemaError
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO / "jobs") not in sys.path:
+    sys.path.insert(0, str(REPO / "jobs"))
+
+
+def _png(colour, size=(32, 24)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _jpeg(colour) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (20, 20), colour).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def detailcaps_table(n=6, bad_row=None) -> pa.Table:
+    """Columns as in DetailCaps-4870.parquet (image identifier, source, binary, the three GT captions)."""
+    binaries = [_png((10 * i, 0, 0)) for i in range(n)]
+    if bad_row is not None:
+        binaries[bad_row] = b"\x89PNG broken"
+    return pa.table({
+        "source": ["COCO"] * n,
+        "image": [f"coco/{i:012d}.jpg" for i in range(n)],
+        "binary": pa.array(binaries, pa.binary()),
+        "GT_Caption_GPT4O": [f"gpt4o caption {i}" for i in range(n)],
+        "GT_Caption_GPT4V": [f"gpt4v caption {i}" for i in range(n)],
+        "GT_Caption_Gemini15Pro": [f"gemini caption {i}" if i != 1 else None for i in range(n)],
+    })
+
+
+IMAGE_STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+
+def textcaps_table(ids) -> pa.Table:
+    """Columns as in lmms-lab/TextCaps data/val-*.parquet: `image` is a datasets Image struct."""
+    n = len(ids)
+    return pa.table({
+        "question_id": list(range(n)),
+        "question": ["Please carefully observe the image and come up with a caption for the image."] * n,
+        "image_id": ids,
+        "image": pa.array([{"bytes": _jpeg((0, 20 * i % 255, 0)), "path": f"{ids[i]}.jpg"} for i in range(n)],
+                          IMAGE_STRUCT),
+        "image_classes": [["Sign"]] * n,
+        "caption_id": list(range(n)),
+        "caption_str": [[f"a sign that says {ids[i]} number {i}", f"second caption {i}"] for i in range(n)],
+    })
+
+
+# ------------------------------------------------------------------------------------- DetailCaps
+def test_detailcaps_local_parquet(tmp_path):
+    f = tmp_path / "DetailCaps-4870.parquet"
+    pq.write_table(detailcaps_table(6), f)
+    recs = list(convert.convert_detailcaps(local_path=f))
+    assert len(recs) == 6
+    r = recs[2]
+    assert r["sample_id"] == "detailcaps-00002" and r["task"] == "detailcaps"
+    assert r["prompt"] == "Describe this image in detail."
+    assert r["references"] == ["gpt4o caption 2", "gpt4v caption 2", "gemini caption 2"]
+    assert recs[1]["references"] == ["gpt4o caption 1", "gpt4v caption 1"]  # null reference dropped
+    assert np.asarray(data.decode_image(r["images"][0]))[0, 0].tolist() == [20, 0, 0]
+    assert r["source"].startswith("foundation-multimodal-models/DetailCaps-4870@")
+
+
+def test_detailcaps_subset_is_fixed_by_seed(tmp_path):
+    f = tmp_path / "DetailCaps-4870.parquet"
+    pq.write_table(detailcaps_table(20), f)
+    a = [r["sample_id"] for r in convert.convert_detailcaps(local_path=f, limit=5, seed=3)]
+    b = [r["sample_id"] for r in convert.convert_detailcaps(local_path=f, limit=5, seed=3)]
+    c = [r["sample_id"] for r in convert.convert_detailcaps(local_path=f, limit=5, seed=4)]
+    assert a == b and a != c and len(a) == 5 and a == sorted(a)
+
+
+def test_detailcaps_errors_name_field_and_file(tmp_path):
+    f = tmp_path / "DetailCaps-4870.parquet"
+    pq.write_table(detailcaps_table(3).drop(["GT_Caption_GPT4V"]), f)
+    with pytest.raises(data.DataError, match=r"DetailCaps-4870.parquet: missing column 'GT_Caption_GPT4V'"):
+        list(convert.convert_detailcaps(local_path=f))
+    pq.write_table(detailcaps_table(3, bad_row=1), f)
+    with pytest.raises(data.DataError, match=r"DetailCaps-4870.parquet row 1 column 'binary': cannot decode"):
+        list(convert.convert_detailcaps(local_path=f))
+    with pytest.raises(data.DataError, match="no such file"):
+        list(convert.convert_detailcaps(local_path=tmp_path / "missing"))
+
+
+def test_detailcaps_from_hub_cache_offline(tmp_path, monkeypatch):
+    """The real loader (hf_hub_download at the pinned revision) finds a file already in the hub cache."""
+    import huggingface_hub.constants as C
+
+    src = convert.DETAILCAPS
+    repo_dir = tmp_path / "hub" / ("datasets--" + src.repo_id.replace("/", "--"))
+    snap = repo_dir / "snapshots" / src.revision
+    snap.mkdir(parents=True)
+    pq.write_table(detailcaps_table(4), snap / "DetailCaps-4870.parquet")
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(src.revision)
+    monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)
+    recs = list(convert.convert_detailcaps(cache_dir=str(tmp_path / "hub"), limit=2, seed=0))
+    assert len(recs) == 2 and all(r["task"] == "detailcaps" for r in recs)
+
+
+def test_offline_without_local_copy_says_so(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants as C
+
+    monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)  # never touch the network in tests
+    with pytest.raises(convert.OfflineError, match="--local-path"):
+        list(convert.convert_textcaps(cache_dir=str(tmp_path / "empty-cache")))
+    from prepare_data import main
+
+    rc = main(["detailcaps", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "empty-cache")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--local-path" in err[0] and "DetailCaps-4870" in err[0]
+    assert not (tmp_path / "out" / data.SUCCESS_MARKER).exists()
+
+
+# ------------------------------------------------------------------------------------- TextCaps
+def test_textcaps_snapshot_dir_groups_captions(tmp_path):
+    snap = tmp_path / "TextCaps"
+    (snap / "data").mkdir(parents=True)
+    pq.write_table(textcaps_table(["a1", "a1", "b2"]), snap / "data" / "val-00000-of-00002.parquet")
+    pq.write_table(textcaps_table(["c3", "d4"]), snap / "data" / "val-00001-of-00002.parquet")
+    pq.write_table(textcaps_table(["zz"]), snap / "data" / "train-00000-of-00013.parquet")  # other split
+    recs = list(convert.convert_textcaps(local_path=snap))
+    assert [r["sample_id"] for r in recs] == ["textcaps-a1", "textcaps-b2", "textcaps-c3", "textcaps-d4"]
+    assert recs[0]["references"] == ["a sign that says a1 number 0", "second caption 0",
+                                     "a sign that says a1 number 1", "second caption 1"]
+    assert recs[0]["prompt"] == "Provide a one-sentence caption for the provided image."
+    assert all(len(r["images"]) == 1 for r in recs)
+    assert data.decode_image(recs[2]["images"][0]).size == (20, 20)
+    assert "lmms-lab/TextCaps@09a9d5e2f0" in recs[0]["source"]
+    sub = [r["sample_id"] for r in convert.convert_textcaps(local_path=snap, limit=2, seed=1)]
+    assert sub == [r["sample_id"] for r in convert.convert_textcaps(local_path=snap, limit=2, seed=1)]
+    assert len(sub) == 2
+
+
+def test_textcaps_save_to_disk_layout(tmp_path):
+    """datasets.save_to_disk: data-*.arrow (IPC stream) + state.json (+ dataset_info.json)."""
+    d = tmp_path / "textcaps_val"
+    d.mkdir()
+    t = textcaps_table(["x", "y", "z"])
+    with pa.OSFile(str(d / "data-00000-of-00001.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, t.schema) as w:
+            w.write_table(t)
+    (d / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}],
+                                              "_split": "val"}))
+    (d / "dataset_info.json").write_text("{}")
+    recs = list(convert.convert_textcaps(local_path=d))
+    assert [r["sample_id"] for r in recs] == ["textcaps-x", "textcaps-y", "textcaps-z"]
+
+
+def test_textcaps_missing_column(tmp_path):
+    f = tmp_path / "val-00000-of-00002.parquet"
+    pq.write_table(textcaps_table(["a"]).drop(["caption_str"]), f)
+    with pytest.raises(data.DataError, match="missing column 'caption_str'"):
+        list(convert.convert_textcaps(local_path=f))
+
+
+# ------------------------------------------------------------------------------------- videos
+def _video_folder(root: Path) -> Path:
+    root.mkdir()
+    frames = root / "clip_a"
+    frames.mkdir()
+    for i in range(12):
+        Image.new("RGB", (28, 28), (i * 20, 0, 0)).save(frames / f"frame_{i:03d}.png")
+    (root / "clip_a.txt").write_text("a red square fades in\n")
+    gif = [Image.new("RGB", (28, 28), (0, 0, i * 25)) for i in range(10)]
+    gif[0].save(root / "clip_b.gif", save_all=True, append_images=gif[1:], duration=40)
+    (root / "references.json").write_text(json.dumps({"clip_b": ["blue fades in"]}))
+    (root / "notes.md").write_text("ignored")
+    return root
+
+
+def test_video_folder(tmp_path):
+    root = _video_folder(tmp_path / "videos")
+    recs = list(convert.convert_videos(root, frames=8))
+    assert [r["sample_id"] for r in recs] == ["video-clip_a", "video-clip_b"]
+    a, b = recs
+    assert a["task"] == "video" and len(a["images"]) == 8 and len(b["images"]) == 8
+    assert a["references"] == ["a red square fades in"] and b["references"] == ["blue fades in"]
+    reds = [np.asarray(data.decode_image(x))[0, 0, 0] for x in a["images"]]
+    assert reds[0] == 0 and reds[-1] == 220 and reds == sorted(reds)  # uniform, in order, first and last kept
+    t = data.read_input(data.write_shards(recs, tmp_path / "out")[0])
+    assert t.schema.equals(INPUT_SCHEMA, check_metadata=False)
+
+
+def test_video_errors(tmp_path):
+    root = tmp_path / "v"
+    root.mkdir()
+    (root / "empty_clip").mkdir()
+    with pytest.raises(data.DataError, match="empty_clip: frame folder holds no image files"):
+        list(convert.convert_videos(root))
+    (root / "empty_clip").rmdir()
+    bad = root / "broken"
+    bad.mkdir()
+    (bad / "f0.png").write_bytes(b"nope")
+    with pytest.raises(data.DataError, match=r"broken/f0.png: cannot decode"):
+        list(convert.convert_videos(root))
+    with pytest.raises(data.DataError, match="not a directory"):
+        list(convert.convert_videos(tmp_path / "nothing"))
+
+
+# ------------------------------------------------------------------------------------- CLI
+def test_prepare_data_cli(tmp_path, capsys):
+    from prepare_data import main
+
+    f = tmp_path / "DetailCaps-4870.parquet"
+    pq.write_table(detailcaps_table(10), f)
+    out = tmp_path / "dc"
+    assert main(["detailcaps", "--local-path", str(f), "--limit", "4", "--seed", "0", "--out", str(out)]) == 0
+    t = data.read_input(out)
+    assert t.num_rows == 4 and (out / data.SUCCESS_MARKER).exists()
+    assert "wrote 4 samples" in capsys.readouterr().out
+    # synthetic via the same CLI
+    assert main(["synthetic", "--task", "video", "-n", "3", "--out", str(tmp_path / "syn")]) == 0
+    assert data.read_input(tmp_path / "syn").column("task").to_pylist() == ["video"] * 3
+    # bad input -> exit 1 and a message naming the column
+    pq.write_table(detailcaps_table(3).drop(["binary"]), f)
+    assert main(["detailcaps", "--local-path", str(f), "--out", str(tmp_path / "bad")]) == 1
+    assert "missing column 'binary'" in capsys.readouterr().err
+    assert main(["synthetic", "--task", "audio", "--out", str(tmp_path / "x")]) == 1
+    assert "unknown task 'audio'" in capsys.readouterr().err

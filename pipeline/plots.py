@@ -50,8 +50,8 @@ def plot_fidelity(analysis: Analysis, path: Path) -> Path:
         colors = ["tab:red" if m == RCR else ("tab:gray" if m == "full" else "tab:blue") for m in g.index]
         ax.bar(x, g.fidelity, color=colors, alpha=0.75)
         ax.errorbar(x, g.fidelity, yerr=[lo, hi], fmt="none", ecolor="black", capsize=4, lw=1.2)
-        for xi, v in zip(x, g.fidelity):
-            ax.text(xi, min(v + 0.02, 1.02), f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+        for xi, v, top in zip(x, g.fidelity, g.fidelity_ci_high.fillna(g.fidelity)):
+            ax.text(xi, min(max(v, top) + 0.015, 1.05), f"{v:.3f}", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(x, g.index, rotation=30, ha="right")
         ax.set_ylim(0, 1.1)
         ax.set_ylabel("fidelity (ROUGE-L F1 vs full)")

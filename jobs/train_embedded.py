@@ -66,6 +66,7 @@ CHAT_TEMPLATE = (
 
 MODEL_SIZES = {
     # text hidden / layers / heads / kv heads / mlp ; vision dim / depth / heads
+    "mini": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4),
     "small": dict(hidden=192, layers=4, heads=6, kv=3, mlp=512, vdim=96, vdepth=2, vheads=4),
     "base": dict(hidden=256, layers=4, heads=8, kv=4, mlp=640, vdim=96, vdepth=2, vheads=4),
     "tiny": dict(hidden=64, layers=2, heads=2, kv=1, mlp=128, vdim=32, vdepth=1, vheads=2),
@@ -254,7 +255,7 @@ class BatchBuilder:
 
 # ------------------------------------------------------------------------------------- schedule
 TASK_WEIGHTS = {"detailcaps": 0.6, "textcaps": 0.15, "video": 0.25}
-BATCH_SIZES = {"detailcaps": 6, "textcaps": 12, "video": 8}
+BATCH_SIZES = {"detailcaps": 5, "textcaps": 8, "video": 6}
 EVAL_SEED = S.HELDOUT_SEED  # held-out samples; training uses --seed (default S.TRAIN_SEED = 0)
 
 
@@ -308,11 +309,13 @@ def main(argv=None):
     ap.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help="checkpoints and log (gitignored)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--size", default="small", choices=sorted(MODEL_SIZES))
-    ap.add_argument("--steps", type=int, default=3000, help="optimizer steps")
+    ap.add_argument("--size", default="mini", choices=sorted(MODEL_SIZES))
+    ap.add_argument("--steps", type=int, default=2500, help="optimizer steps")
     ap.add_argument("--minutes", type=float, default=None,
                     help="stop (and save) after this many minutes of this process; for smoke runs")
-    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="stop (checkpoint, no final save) after this many steps of this process; tests resume")
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
@@ -379,6 +382,10 @@ def main(argv=None):
                             "elapsed": elapsed_before + time.time() - t_start, "args": vars(args)}, ckpt_path)
 
     while step < args.steps:
+        if args.stop_after is not None and step - start_step >= args.stop_after:
+            checkpoint()
+            print(f"--stop-after {args.stop_after}: checkpointed at step {step}", flush=True)
+            return
         if args.minutes is not None and time.time() - t_start > args.minutes * 60:
             print(f"--minutes {args.minutes} reached at step {step}", flush=True)
             break

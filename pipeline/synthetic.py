@@ -221,7 +221,7 @@ def _detailcaps(rng: np.random.Generator, n_objects: int | None) -> tuple[list[n
     chosen = sorted(rng.choice(GRID * GRID, size=n, replace=False).tolist())
     cells = {cell: _random_object(rng) for cell in chosen}
     img = _render_grid(rng, cells)
-    parts = ["The image shows shapes on a grey board ."]
+    parts = []
     for i, cell in enumerate(chosen):
         r, c = divmod(cell, GRID)
         obj = cells[cell]

@@ -1,0 +1,124 @@
+"""The shipped embedded model (assets/embedded/model) and the training script that builds it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "jobs"))
+
+import eval_embedded as E  # noqa: E402
+import train_embedded as T  # noqa: E402
+from pipeline import synthetic as S  # noqa: E402
+
+# RCR_EMBEDDED_MODEL lets a candidate (e.g. runs/train_embedded/final) be checked before it is shipped
+MODEL_DIR = Path(os.environ.get("RCR_EMBEDDED_MODEL", REPO / "assets" / "embedded" / "model"))
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    assert (MODEL_DIR / "config.json").is_file(), f"the embedded model is missing at {MODEL_DIR}"
+    torch.manual_seed(0)
+    model, processor = E.load(MODEL_DIR)
+    return model, processor
+
+
+def test_files_and_size():
+    weights = MODEL_DIR / "model.safetensors"
+    assert weights.is_file() and weights.stat().st_size < 16_000_000
+    for f in ("config.json", "tokenizer.json", "processor_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (MODEL_DIR / f).is_file(), f
+
+
+def test_loads_offline_as_qwen2_vl(shipped, monkeypatch):
+    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    model, processor = shipped
+    assert isinstance(model, Qwen2VLForConditionalGeneration) and isinstance(processor, Qwen2VLProcessor)
+    assert model.dtype == torch.float32
+    cfg = model.config
+    tok = processor.tokenizer
+    assert cfg.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert cfg.video_token_id == tok.convert_tokens_to_ids("<|video_pad|>")
+    assert cfg.text_config.vocab_size == len(tok)
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+
+
+def test_chat_template_and_tokenizer(shipped):
+    _, processor = shipped
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image in detail."}]}]
+    text = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>user <|vision_start|><|image_pad|><|vision_end|> Describe this image")
+    assert text.rstrip().endswith("<|im_start|>assistant")
+    tok = processor.tokenizer
+    for task in S.TASKS:
+        _, ref = S.render(task, 5, 0)
+        ids = tok(ref, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids
+        assert tok.decode(ids) == ref
+
+
+@pytest.mark.parametrize("task", S.TASKS)
+def test_training_batches_equal_processor_output(shipped, task):
+    """Training feeds the model exactly what the processor produces at inference."""
+    _, processor = shipped
+    frames, text = S.render(task, 3, 1)
+    ref = T.processor_inputs(processor, task, frames)
+    batch = T.BatchBuilder(processor).build(task, [(frames, text)])
+    pv = "pixel_values_videos" if task == "video" else "pixel_values"
+    grid = "video_grid_thw" if task == "video" else "image_grid_thw"
+    assert torch.allclose(batch[pv], ref[pv], atol=1e-6, rtol=0)
+    assert torch.equal(batch[grid], ref[grid])
+    n = ref["input_ids"].shape[1]
+    assert torch.equal(batch["input_ids"][:, :n], ref["input_ids"])
+    assert torch.equal(batch["mm_token_type_ids"][:, :n], ref["mm_token_type_ids"])
+    assert (batch["labels"][:, :n] == -100).all()
+    assert processor.tokenizer.decode(batch["input_ids"][0, n:-1]) == text
+    assert int(batch["input_ids"][0, -1]) == processor.tokenizer.eos_token_id
+    if task == "detailcaps":
+        assert int((ref["input_ids"] == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum()) == 144
+
+
+def test_greedy_quality_on_held_out_samples(shipped):
+    """A few held-out samples per task; the full bars are printed by jobs/eval_embedded.py."""
+    model, processor = shipped
+    floors = {"detailcaps": (3, 0.8), "textcaps": (6, 0.85), "video": (4, 0.7)}
+    for task, (n, floor) in floors.items():
+        samples = [S.render(task, S.HELDOUT_SEED, i) for i in range(n)]
+        inputs = E.batch_inputs(processor, task, [s[0] for s in samples])
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=E.MAX_NEW_TOKENS[task], do_sample=False)
+        texts = E.decode_texts(processor, out[:, inputs["input_ids"].shape[1]:])
+        score = np.mean([E.rouge_l(s[1], t) for s, t in zip(samples, texts)])
+        assert score >= floor, (task, score, texts[0])
+
+
+def test_rouge_tokenizer_keeps_everything():
+    assert E.KeepAllTokenizer().tokenize("In row two , column é .") == ["In", "row", "two", ",", "column", "é", "."]
+    assert E.rouge_l("a , b", "a , b") == 1.0
+    assert E.rouge_l("a b c d", "a b") == pytest.approx(2 / 3)
+
+
+def test_training_resumes_exactly(tmp_path):
+    """Seeded data + checkpoints: 2 steps, interrupt, 2 more == 4 steps straight."""
+    common = ["--size", "tiny", "--steps", "4", "--threads", "1", "--warmup", "2", "--batch-scale", "0.25"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    T.main(common + ["--run-dir", str(a), "--out", str(a / "model"), "--fresh"])
+    T.main(common + ["--run-dir", str(b), "--out", str(b / "model"), "--fresh", "--stop-after", "2"])
+    assert not (b / "model").exists() and (b / "ckpt.pt").exists()
+    T.main(common + ["--run-dir", str(b), "--out", str(b / "model")])
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    assert Qwen2VLForConditionalGeneration.from_pretrained(str(a / "model")).config.model_type == "qwen2_vl"
+    assert AutoProcessor.from_pretrained(str(a / "model")).tokenizer.eos_token == "<|im_end|>"

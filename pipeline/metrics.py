@@ -870,6 +870,12 @@ def format_summary(analysis: Analysis) -> str:
         lines.append("  ".join("-" * w for w in widths))
         for b in body:
             lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths))))
+        if g.rougeL_ref.notna().any() or g.cider.notna().any():
+            lines.append("against references (ROUGE-L: max over references; CIDEr-D: pycocoevalcap):")
+            w = max(len(str(x)) for x in g.method)
+            for _, r in g.iterrows():
+                lines.append(f"  {str(r.method):<{w}}  ROUGE-L {_fmt_ci(r.rougeL_ref, r.rougeL_ref_ci_low, r.rougeL_ref_ci_high)}"
+                             f"   CIDEr {_fmt_ci(r.cider, r.cider_ci_low, r.cider_ci_high)}")
         t = analysis.terciles[analysis.terciles.model == model]
         if not t.empty:
             lines.append(f"drift terciles (sample drift from {analysis.meta.get('drift_source')}): "

@@ -10,7 +10,8 @@ A refresh rewrites only the first S slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -38,6 +39,29 @@ class PrefixStore:
     n_kv_heads: int
     n_q_heads: int
     head_dim: int
+    offloaded: bool = False  # per-layer keys/values live in host memory (deployment mode); the rest stays
+    _host: "PrefixStore | None" = field(default=None, repr=False, compare=False)
+
+    def to_host(self, pin: bool | None = None) -> "PrefixStore":
+        """This store with every layer's keys/values in CPU memory (deployment mode). ``pin``: page-locked
+        memory, so host-to-device copies can be asynchronous; default: when the store is on a CUDA device.
+        Validity, positions, first logits and window queries stay where they are (small; read at build).
+        Memoised, so the methods decoded from one prefill share one host copy. On a CPU device the tensors are
+        shared, not copied."""
+        if self.offloaded:
+            return self
+        if self._host is None:
+            dev = self.valid.device
+            pin = (dev.type == "cuda") if pin is None else pin
+
+            def host(t: torch.Tensor) -> torch.Tensor:
+                t = t.to("cpu").contiguous()
+                return t.pin_memory() if pin else t
+
+            layers = [PrefixLayer(keys=host(pl.keys), values=host(pl.values), window_queries=pl.window_queries)
+                      for pl in self.layers]
+            self._host = dataclasses.replace(self, layers=layers, offloaded=True, _host=None)
+        return self._host
 
     @property
     def batch_size(self) -> int:
@@ -144,23 +168,30 @@ class ResidentLayer(CacheLayerMixin):
     def resident_valid(self) -> torch.Tensor:  # (B, Hkv, n_stored)
         return self.slot_valid[:, :, : self.n_stored]
 
-    def refresh(self, trigger: torch.Tensor, selection: torch.Tensor) -> None:
-        """Masked merge: where ``trigger`` (B,) is set, slots [0, S) become the prefix entries ``selection``
-        (B, Hkv, S). Window and generated slots are not touched. No host sync: the gather is issued
-        unconditionally and the merge is a ``torch.where``."""
+    def refresh(self, trigger: torch.Tensor, selection: torch.Tensor, keys: torch.Tensor | None = None,
+                values: torch.Tensor | None = None) -> None:
+        """Masked merge: where ``trigger`` (B,) or (B, Hkv) is set, slots [0, S) become the prefix entries
+        ``selection`` (B, Hkv, S). Window and generated slots are not touched. No host sync: the gather is
+        issued unconditionally and the merge is a ``torch.where``. ``keys``/``values`` (B, Hkv, S, d): the
+        entries' contents when the caller already brought them to the device (offload reads); otherwise they
+        are gathered from the prefix store."""
         S = self.n_selected
-        k_p, v_p = self.prefix.prefix_kv(self.layer_idx)
-        t = trigger.view(-1, 1, 1)
-        new_valid = torch.gather(self.prefix.prefix_valid.unsqueeze(1).expand_as(k_p[..., 0]), 2, selection)
-        self.keys[:, :, :S] = torch.where(t.unsqueeze(-1), gather_heads(k_p, selection), self.keys[:, :, :S])
-        self.values[:, :, :S] = torch.where(t.unsqueeze(-1), gather_heads(v_p, selection), self.values[:, :, :S])
+        if keys is None or values is None:
+            k_p, v_p = self.prefix.prefix_kv(self.layer_idx)
+            keys = gather_heads(k_p, selection) if keys is None else keys
+            values = gather_heads(v_p, selection) if values is None else values
+        B, H = selection.shape[:2]
+        t = trigger.view(B, -1, 1)  # (B, 1, 1) per layer, (B, Hkv, 1) per KV head
+        new_valid = torch.gather(self.prefix.prefix_valid.unsqueeze(1).expand(B, H, -1), 2, selection)
+        self.keys[:, :, :S] = torch.where(t.unsqueeze(-1), keys, self.keys[:, :, :S])
+        self.values[:, :, :S] = torch.where(t.unsqueeze(-1), values, self.values[:, :, :S])
         self.slot_valid[:, :, :S] = torch.where(t, new_valid, self.slot_valid[:, :, :S])
         self.selection = torch.where(t, selection, self.selection)
 
     def evicted_mask(self) -> torch.Tensor:
         """(B, Hkv, Np) bool: valid prefix entries that are not resident."""
-        k_p, _ = self.prefix.prefix_kv(self.layer_idx)
-        in_sel = torch.zeros(k_p.shape[:3], dtype=torch.bool, device=k_p.device)
+        B, H = self.selection.shape[:2]  # shapes only: the store may live in host memory (offload)
+        in_sel = torch.zeros(B, H, self.prefix.n_prefix, dtype=torch.bool, device=self.selection.device)
         in_sel.scatter_(2, self.selection, True)
         return self.prefix.prefix_valid.unsqueeze(1) & ~in_sel
 

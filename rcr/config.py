@@ -45,6 +45,35 @@ class RCRConfig:
     bacon_eps: float = 1e-8
     # --- prefill oracle: average-pool the answer-attention scores like BACON (kernel 5) before top-k ---
     oracle_pool: bool = False
+    # --- page-based baselines, Quest and ArkVale (spec §4.3-4.4), on the prefix region only ---
+    # tokens per page; pages start at each sample's first valid prefix token, the last page may be partial.
+    # Pages kept per step = ceil(min(selected, Np) / page_size): 2 at the paper's budget (32 slots), with no
+    # 3-page minimum; when partial pages leave slots free, the next-ranked page fills them.
+    page_size: int = 16
+    # Quest: page bound U_p(q) = sum_i max(q_i M_i, q_i m_i), reduced over the G query heads of a KV head:
+    # "max" (default: U stays an upper bound on max q.k over the whole group) or "mean".
+    quest_reduction: str = "max"
+    # ArkVale decision rule (spec §4.4, "Adaptation"): "recall" (default) = the top capacity//2 pages by digest
+    # (1 of 2 at the paper's budget) must be resident, missing ones are recalled and the lowest-ranked resident
+    # pages evicted, other resident pages stay; "topk" = keep the top `capacity` pages by digest each step.
+    arkvale_rule: str = "recall"
+    # ArkVale page ranking: "kv" = one ranking per KV head, mean over its G query heads (n_groups = Hkv,
+    # default); "layer" = one ranking per layer shared by every head (ArkVale's code default n_groups = 1).
+    arkvale_groups: str = "kv"
+    # --- InfiniGen (spec §4.5) ---
+    # partial columns per KV head = round(ratio * d), so the GPU holds Np * ratio key equivalents (paper: Np/4)
+    infinigen_partial_ratio: float = 0.25
+    # directory written by `python -m rcr.calibrate_infinigen` (skew matrices + partial columns per layer and
+    # KV head, with the command that made them); None = calibrate per sample from its own prefill.
+    infinigen_calibration: str | None = None
+    # layer 0 has no previous layer to speculate from: "exact_query" (default) = score with the current
+    # query through the same skewed partial columns; "static" = keep the initial (BACON) selection.
+    infinigen_layer0: str = "exact_query"
+    # --- deployment mode (re-selecting drift methods: rcr, fixed, rcr_layer; others run resident) ---
+    # The prefix store lives in host memory (pinned when CUDA is present); the detector and resident slots
+    # stay on the device. The trigger is read on the host each layer-step and prefix keys/values are copied
+    # only for layers (KV heads) whose trigger fired. Costs one host sync per layer-step.
+    offload: bool = False
     # --- telemetry ---
     exact_drift: bool = False  # also compute the exact drift (a full prefix scan) at every layer-step
     record_attention: bool = False  # record the most-attended prefix position per layer-step
@@ -80,11 +109,27 @@ class RCRConfig:
         need(self.controller_signal in ("layer", "heads"), "controller_signal", "must be 'layer' or 'heads'")
         need(self.head_reduction in ("mean_prob", "max_logit"), "head_reduction",
              "must be 'mean_prob' or 'max_logit'")
+        need(isinstance(self.page_size, int) and not isinstance(self.page_size, bool) and self.page_size >= 1,
+             "page_size", "must be an integer >= 1")
+        need(self.quest_reduction in ("max", "mean"), "quest_reduction", "must be 'max' or 'mean'")
+        need(self.arkvale_rule in ("recall", "topk"), "arkvale_rule", "must be 'recall' or 'topk'")
+        need(self.arkvale_groups in ("kv", "layer"), "arkvale_groups", "must be 'kv' or 'layer'")
+        need(isinstance(self.infinigen_partial_ratio, (int, float)) and 0.0 < self.infinigen_partial_ratio <= 1.0,
+             "infinigen_partial_ratio", "must be in (0, 1]")
+        need(self.infinigen_calibration is None or (isinstance(self.infinigen_calibration, str)
+                                                   and self.infinigen_calibration != ""),
+             "infinigen_calibration", "must be None or a directory path")
+        need(self.infinigen_layer0 in ("exact_query", "static"), "infinigen_layer0",
+             "must be 'exact_query' or 'static'")
+        need(isinstance(self.offload, bool), "offload", "must be a bool")
 
     def check_model(self, head_dim: int) -> None:
         """Checks that depend on the model's geometry (called before prefill)."""
         if self.rank > head_dim:
             raise ConfigError(f"RCRConfig.rank={self.rank}: must be <= the model's head dim ({head_dim})")
+        if round(self.infinigen_partial_ratio * head_dim) < 1:
+            raise ConfigError(f"RCRConfig.infinigen_partial_ratio={self.infinigen_partial_ratio}: gives no partial "
+                              f"column at head dim {head_dim}")
 
     def replace(self, **changes) -> "RCRConfig":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

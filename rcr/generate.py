@@ -8,6 +8,7 @@ attention function. ``generate`` does both for a list of methods, ``full`` first
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from .cache import PrefixLayer, PrefixStore, ResidentCache, ResidentLayer
 from .config import ConfigError, RCRConfig
 from .methods import BuildContext, Full, Method, StepContext, parse_method
 from .models import adapter_for, geometry
+from .offload import HostReader, ResidentReader
 from .scoring import group_queries, logits, masked_lse
 from .telemetry import HostTelemetry, Telemetry
 
@@ -67,9 +69,12 @@ class DecodeSession:
     """Attention hook for decoding one method: decide, merge, record, attend."""
 
     def __init__(self, method: Method, prefix: PrefixStore, cache: ResidentCache, state, telemetry: Telemetry,
-                 masked: bool):
+                 masked: bool, reader=None):
         self.method, self.prefix, self.cache, self.state, self.tel = method, prefix, cache, state, telemetry
         self.masked = masked  # any invalid (padding) slot in the batch; decided once, on the host, at build
+        # how the method's reads reach the device; in offload mode the method sees the host-memory store
+        self.reader = reader or ResidentReader(prefix)
+        self.method_prefix = self.reader.prefix
         self.step = 0
         cfg = method.config
         self.exact_stats = (cfg.exact_drift or cfg.record_attention) and prefix.n_prefix > 0
@@ -82,7 +87,8 @@ class DecodeSession:
             self._record_exact(layer, query, res)
         if self.decides:
             d = self.method.decide(StepContext(layer=layer, step=self.step, query=query, resident=res,
-                                               prefix=self.prefix, state=self.state, config=self.method.config))
+                                               prefix=self.method_prefix, state=self.state,
+                                               config=self.method.config, reader=self.reader))
             self.method.merge(res, d)
             self.tel.record_decision(layer, self.step, d)
         valid = res.resident_valid if self.masked else None
@@ -120,6 +126,7 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     cost: dict = field(default_factory=dict)  # reads per KV head per refresh (cost model)
+    offload: bool = False  # decoded in offload mode (prefix store in host memory, reads only on a trigger)
 
     def sample(self, b: int) -> dict:
         """Sample b's outputs and telemetry trimmed to its length, as numpy (for tables and Parquet)."""
@@ -139,6 +146,9 @@ class GenerationResult:
             "keys_read_per_step": float(tel["keys_read"].mean()) if steps else 0.0,
             "values_read_per_step": float(tel["values_read"].mean()) if steps else 0.0,
             "detector_dots_per_step": float(tel["detector_dots"].mean()) if steps else 0.0,
+            # host-to-device prefix bytes per decode step, all layers and KV heads (offload mode; else 0)
+            "bytes_moved_per_step": (float(tel["bytes_moved"].sum(0).mean())
+                                     if steps and tel.get("bytes_moved") is not None else 0.0),
             "prefill_s": self.prefill_s, "decode_s": self.decode_s,
         }
 
@@ -171,10 +181,18 @@ class Decoder:
         dev = prefix.valid.device
         B, L = prefix.batch_size, len(prefix.layers)
         self.cache = build_cache(method, prefix, max_new_tokens, reference_scores)
-        self.state = method.init_state(prefix)
+        self.state = method.init_state(prefix)  # detectors etc. are built on the device, as after a prefill
         self.tel = Telemetry(B, L, max(max_new_tokens - 1, 0), dev, cfg.exact_drift, cfg.record_attention)
         masked = not bool(prefix.valid.all()) or any(not bool(layer.resident_valid.all()) for layer in self.cache.layers)
-        self.session = DecodeSession(method, prefix, self.cache, self.state, self.tel, masked)
+        # offload mode: from here on the method and its resident layers see only the host-memory store
+        self.offload = bool(cfg.offload and method.supports_offload and method.reselects and prefix.n_prefix > 0)
+        reader = None
+        if self.offload:
+            host = prefix.to_host()
+            for layer in self.cache.layers:
+                layer.prefix = host
+            reader = HostReader(host, dev, self.tel.bytes_moved)
+        self.session = DecodeSession(method, prefix, self.cache, self.state, self.tel, masked, reader)
         self.eos = _eos_tensor(eos_token_id, dev)
         self.pad = torch.tensor(pad_token_id, device=dev)
         self.tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=dev)
@@ -195,10 +213,17 @@ class Decoder:
         self.tokens[:, t + 1] = nxt
         self.t = t + 1
 
+    @contextlib.contextmanager
+    def enabled(self):
+        """The "rcr" attention function and the method's own decode hooks; ``run`` enters it, and a caller that
+        drives ``step`` itself must too."""
+        with rcr_attention_enabled(self.model), self.method.decode_hooks(self.model, self.state):
+            yield self
+
     @torch.no_grad()
     def run(self) -> None:
         every = self.method.config.eos_check_every
-        with rcr_attention_enabled(self.model):
+        with self.enabled():
             while self.t < self.max_new_tokens - 1:
                 if self.t % every == 0 and bool(self.finished.all()):  # host check, outside the step
                     break
@@ -211,7 +236,8 @@ class Decoder:
         return GenerationResult(label=self.method.label, sequences=tokens, lengths=first_eos,
                                 telemetry=self.tel.to_host(),
                                 prefix_len=self.prefix.prefix_valid.sum(-1).cpu().numpy(),
-                                prefill_s=prefill_s, decode_s=decode_s, cost=self.method.cost_model(self.prefix))
+                                prefill_s=prefill_s, decode_s=decode_s, cost=self.method.cost_model(self.prefix),
+                                offload=self.offload)
 
 
 def _sync(device) -> None:

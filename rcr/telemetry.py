@@ -30,13 +30,16 @@ class Telemetry:
         self.detector_dots = buf()
         self.drift_exact = buf(fill=float("nan")) if exact_drift else None
         self.top_prefix_pos = buf(torch.int32, -1) if record_attention else None
+        # bytes of prefix keys/values copied from host memory to the device, per sample (all KV heads):
+        # written on the host by the offload reader (rcr.offload.HostReader); zeros in GPU-only mode
+        self.bytes_moved = np.zeros((batch, layers, steps), dtype=np.float64)
 
     def record_decision(self, layer: int, step: int, d) -> None:
         trig = d.trigger.float()
         frac = trig.mean(-1) if trig.dim() == 2 else trig  # (B,)
         self.trigger[:, layer, step] = frac
-        self.keys_read[:, layer, step] = frac * d.keys_per_refresh
-        self.values_read[:, layer, step] = frac * d.values_per_refresh
+        self.keys_read[:, layer, step] = frac * d.keys_per_refresh if d.keys_read is None else d.keys_read
+        self.values_read[:, layer, step] = frac * d.values_per_refresh if d.values_read is None else d.values_read
         if d.drift is not None:
             self.drift[:, layer, step] = d.drift
         if d.tau is not None:
@@ -47,7 +50,7 @@ class Telemetry:
     def to_host(self) -> "HostTelemetry":
         names = FIELDS_FLOAT + ("drift_exact", "top_prefix_pos")
         return HostTelemetry(**{n: (None if getattr(self, n) is None else getattr(self, n).cpu().numpy())
-                                for n in names})
+                                for n in names}, bytes_moved=self.bytes_moved.copy())
 
 
 @dataclass
@@ -60,3 +63,4 @@ class HostTelemetry:
     detector_dots: np.ndarray
     drift_exact: np.ndarray | None = None
     top_prefix_pos: np.ndarray | None = None  # (B, L, T) int32, in the sample's own (unpadded) coordinates
+    bytes_moved: np.ndarray | None = None  # (B, L, T) float64: host-to-device prefix bytes (offload mode)

@@ -8,10 +8,14 @@ from .bacon import Bacon
 from .base import BuildContext, Decision, Method, StepContext
 from .exact import Exact
 from .full import Full
+from .arkvale import ArkVale
 from .prefill_oracle import PrefillOracle
+from .quest import Quest
 from .rcr import RCR, Fixed
+from .rcr_layer import RCRLayer
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Bacon, PrefillOracle, Exact, Fixed, RCR)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Bacon, PrefillOracle, Exact, Fixed, RCR, RCRLayer,
+                                                        Quest, ArkVale)}
 
 
 def parse_method(label: str, config: RCRConfig | None = None) -> Method:
@@ -37,4 +41,4 @@ def parse_method(label: str, config: RCRConfig | None = None) -> Method:
 
 
 __all__ = ["METHODS", "parse_method", "Method", "Decision", "StepContext", "BuildContext",
-           "Full", "Bacon", "PrefillOracle", "Exact", "Fixed", "RCR"]
+           "Full", "Bacon", "PrefillOracle", "Exact", "Fixed", "RCR", "RCRLayer", "Quest", "ArkVale"]

@@ -12,6 +12,7 @@ for the device.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,12 +26,25 @@ from ..scoring import top_sorted
 @dataclass
 class Decision:
     trigger: torch.Tensor  # (B,) or (B, Hkv) bool: refresh the selected slots of this layer (per KV head)
-    selection: torch.Tensor  # (B, Hkv, S) candidate selection, merged where trigger is set
+    # (B, Hkv, S) candidate selection, merged where trigger is set. None: nothing to merge (offload mode, when
+    # the host saw that no trigger fired and therefore read nothing)
+    selection: torch.Tensor | None
     keys_per_refresh: int  # prefix keys read per KV head by a refresh (cost model accounting)
     values_per_refresh: int  # prefix values read per KV head by a refresh
     drift: torch.Tensor | None = None  # (B,) estimated drift of this layer-step
     tau: torch.Tensor | None = None  # (B,) threshold the trigger was compared against
-    detector_dots: torch.Tensor | None = None  # (B,) detector cost in d-dim dot-product equivalents per KV head
+    # (B,) cost of scoring a device-resident summary of the prefix, in d-dim dot-product equivalents per query
+    # vector and KV head (= the summary's size in key equivalents): RCR Np*r/d, Quest/ArkVale 2 per page,
+    # InfiniGen Np*partial/d
+    detector_dots: torch.Tensor | None = None
+    # new contents of the S selected slots (B, Hkv, S, d), already on the device; None = the merge gathers
+    # them from the prefix store (GPU-only mode)
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    # (B,) measured prefix reads of this layer-step per KV head (mean over KV heads); None = trigger fraction
+    # times keys/values_per_refresh (methods whose reads depend on the data, e.g. ArkVale's page recalls)
+    keys_read: torch.Tensor | None = None
+    values_read: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,6 +58,15 @@ class StepContext:
     prefix: PrefixStore
     state: Any  # whatever ``init_state`` returned for this decode
     config: RCRConfig
+    # how prefix entries reach the device (``rcr.offload``): a resident gather (GPU-only mode, the default) or
+    # host-memory reads issued only where the trigger fired (offload mode)
+    reader: Any = None
+
+    def __post_init__(self):
+        if self.reader is None:
+            from ..offload import ResidentReader
+
+            self.reader = ResidentReader(self.prefix)
 
 
 @dataclass
@@ -65,6 +88,7 @@ class Method:
 
     name: ClassVar[str] = "base"
     reselects: ClassVar[bool] = False  # whether ``decide`` runs at decode
+    supports_offload: ClassVar[bool] = False  # reads the prefix store only through ``StepContext.reader``
     needs_reference: ClassVar[bool] = False  # needs the uncompressed answer (prefill oracle)
 
     def __post_init__(self):
@@ -96,9 +120,16 @@ class Method:
     def decide(self, ctx: StepContext) -> Decision | None:
         return None
 
+    def decode_hooks(self, model, state) -> contextlib.AbstractContextManager:
+        """Module hooks a method needs while it decodes (InfiniGen: the previous layer's attention input),
+        registered on entry and removed on exit. Default: none."""
+        return contextlib.nullcontext()
+
     # --- mechanics (not overridden by methods; tests may override ``merge`` with a branching reference) ---
     def merge(self, resident: ResidentLayer, decision: Decision) -> None:
-        resident.refresh(decision.trigger, decision.selection)
+        if decision.selection is None:  # offload mode: no trigger fired, nothing was read
+            return
+        resident.refresh(decision.trigger, decision.selection, decision.keys, decision.values)
 
     def cost_model(self, prefix: PrefixStore) -> dict:
         """Reads per KV head per refresh, for reports (the merge in GPU-only mode issues them every step)."""

@@ -8,6 +8,10 @@ Per decode layer-step, before attention, with the current post-RoPE query q:
 3. Candidates, computed in every layer: the detector's top-C prefix entries (kept and evicted alike),
    re-scored exactly with their keys; the top S are the new selection (C key + S value reads).
 4. The base merges under the trigger with torch.where; tau is updated by the rate controller.
+
+Prefix keys and values are read only through ``ctx.reader`` (``rcr.offload``): in GPU-only mode the reads are
+issued every layer-step and the merge is masked; in offload mode (``config.offload``) the host sees the
+trigger and reads only the rows that fired, or nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import gather_heads
 from ..controller import RateController
 from ..detector import Detector
 from ..scoring import group_queries, logits, masked_lse, reduce_heads, top_sorted
@@ -33,6 +38,7 @@ class RCRState:
 class RCR(Method):
     name = "rcr"
     reselects = True
+    supports_offload = True
 
     @property
     def controller(self) -> RateController:
@@ -63,7 +69,6 @@ class RCR(Method):
     def decide(self, ctx: StepContext) -> Decision:
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
         det = st.detectors[ctx.layer]
-        k_p, _ = p.prefix_kv(ctx.layer)
         qg = group_queries(ctx.query, p.n_kv_heads)  # (B, Hkv, G, d)
         valid_p = p.prefix_valid.unsqueeze(1)  # (B, 1, Np)
 
@@ -81,19 +86,26 @@ class RCR(Method):
         else:
             trigger = drift > tau  # (B,): one decision per layer
 
+        # controller: f is the layer's realised refresh (fraction of KV heads in "heads" mode)
+        f = trigger.float().mean(-1) if trigger.dim() == 2 else trigger.float()
+        self.update_tau(st, ctx.layer, f)
+        dots = st.n_valid_prefix * (det.rank / p.head_dim)
+        common = dict(trigger=trigger, drift=drift, tau=tau, detector_dots=dots, **self.cost_model(p))
+
         # 3. candidates: detector top-C over the whole prefix, exact re-scoring, keep top S
         n_cand = min(cfg.candidates, p.n_prefix)
         cand = top_sorted(reduce_heads(approx, valid_p, cfg.head_reduction), n_cand)  # (B, Hkv, C)
-        k_c = torch.gather(k_p, 2, cand.unsqueeze(-1).expand(*cand.shape, k_p.shape[-1]))
+        rows = ctx.reader.fired(trigger, cand)  # offload: host view of the trigger; GPU-only: None
+        if rows is not None and not bool(rows.any()):
+            return Decision(selection=None, **common)  # offload mode: nothing fired, nothing read
+        k_c = ctx.reader.gather(ctx.layer, ctx.step, "keys", cand, rows)  # C key reads
         cand_valid = torch.gather(valid_p.expand(*cand.shape[:2], p.n_prefix), 2, cand)
         exact = reduce_heads(logits(qg, k_c, p.scaling), cand_valid, cfg.head_reduction)  # (B, Hkv, C)
-        sel = torch.gather(cand, 2, top_sorted(exact, res.n_selected))  # back to prefix indices, ascending
-
-        # 4. controller: f is the layer's realised refresh (fraction of KV heads in "heads" mode)
-        f = trigger.float().mean(-1) if trigger.dim() == 2 else trigger.float()
-        self.update_tau(st, ctx.layer, f)
-        return Decision(trigger=trigger, selection=sel, drift=drift, tau=tau,
-                        detector_dots=st.n_valid_prefix * (det.rank / p.head_dim), **self.cost_model(p))
+        top = top_sorted(exact, res.n_selected)  # positions within the candidates, ascending
+        sel = torch.gather(cand, 2, top)  # back to prefix indices, ascending
+        keys = gather_heads(k_c, top)  # the selected keys are among the candidates: no second key read
+        values = ctx.reader.gather(ctx.layer, ctx.step, "values", sel, rows)  # S value reads
+        return Decision(selection=sel, keys=keys, values=values, **common)
 
     def cost_model(self, prefix) -> dict:
         return {"keys_per_refresh": min(self.config.candidates, prefix.n_prefix),

@@ -76,7 +76,7 @@ class RCRConfig:
     offload: bool = False
     # --- telemetry ---
     exact_drift: bool = False  # also compute the exact drift (a full prefix scan) at every layer-step
-    record_attention: bool = False  # record the most-attended prefix position per layer-step
+    record_attention: bool = False  # `full` decodes record the most-attended prefix position per layer-step
     # --- decoding ---
     eos_check_every: int = 8  # decode steps between host checks for "every sample finished"
     extra: dict = field(default_factory=dict, compare=False)  # free-form notes, logged with the config

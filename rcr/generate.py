@@ -77,7 +77,7 @@ class DecodeSession:
         self.method_prefix = self.reader.prefix
         self.step = 0
         cfg = method.config
-        self.exact_stats = (cfg.exact_drift or cfg.record_attention) and prefix.n_prefix > 0
+        self.exact_stats = (cfg.exact_drift or telemetry.top_prefix_pos is not None) and prefix.n_prefix > 0
         self.decides = method.reselects and prefix.n_prefix > 0
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -182,7 +182,9 @@ class Decoder:
         B, L = prefix.batch_size, len(prefix.layers)
         self.cache = build_cache(method, prefix, max_new_tokens, reference_scores)
         self.state = method.init_state(prefix)  # detectors etc. are built on the device, as after a prefill
-        self.tel = Telemetry(B, L, max(max_new_tokens - 1, 0), dev, cfg.exact_drift, cfg.record_attention)
+        # the most-attended prefix position is a property of uncompressed attention: recorded on `full` only
+        self.tel = Telemetry(B, L, max(max_new_tokens - 1, 0), dev, cfg.exact_drift,
+                             cfg.record_attention and method.uncompressed)
         masked = not bool(prefix.valid.all()) or any(not bool(layer.resident_valid.all()) for layer in self.cache.layers)
         # offload mode: from here on the method and its resident layers see only the host-memory store
         self.offload = bool(cfg.offload and method.supports_offload and method.reselects and prefix.n_prefix > 0)

@@ -165,7 +165,7 @@ def forbid_host_sync():
             setattr(torch.Tensor, n, f)
 
 
-@pytest.mark.parametrize("label", ["rcr", "fixed", "exact", "bacon"])
+@pytest.mark.parametrize("label", ["rcr", "fixed", "exact", "bacon", "full"])
 def test_decode_step_makes_no_host_sync(qwen_prefix, label):
     model, _, prefix = qwen_prefix
     cfg = SMALL.replace(exact_drift=True, record_attention=True)
@@ -304,3 +304,14 @@ def test_one_prefill_serves_every_method_and_no_method_alters_the_prefix_store()
         rcr.decode(model, prefix, parse_method(label, SMALL), 6, eos_token_id=[], reference_scores=ref)
     for (k, v, q), pl in zip(snap, prefix.layers):
         assert torch.equal(k, pl.keys) and torch.equal(v, pl.values) and torch.equal(q, pl.window_queries)
+
+
+def test_record_attention_gives_most_attended_position_on_full_only(qwen_prefix):
+    model, inputs, _ = qwen_prefix
+    cfg = SMALL.replace(record_attention=True)
+    res = rcr.generate(model, inputs, method=["full", "rcr"], max_new_tokens=6, config=cfg, ignore_eos=True)
+    assert res["rcr"].telemetry.top_prefix_pos is None
+    pos = res["full"].telemetry.top_prefix_pos  # (B, L, T), in each sample's own coordinates
+    for b in range(pos.shape[0]):
+        n_b = res["full"].prefix_len[b]
+        assert (pos[b] >= 0).all() and (pos[b] < n_b).all()

@@ -90,6 +90,7 @@ class Method:
     reselects: ClassVar[bool] = False  # whether ``decide`` runs at decode
     supports_offload: ClassVar[bool] = False  # reads the prefix store only through ``StepContext.reader``
     needs_reference: ClassVar[bool] = False  # needs the uncompressed answer (prefill oracle)
+    uncompressed: ClassVar[bool] = False  # every prefix entry resident (``full``): attention statistics come from it
 
     def __post_init__(self):
         self.label = self.label or self.name

@@ -10,6 +10,7 @@ from .base import Method
 @dataclass
 class Full(Method):
     name = "full"
+    uncompressed = True
 
     def initial_scores(self, ctx, layer):
         return None  # keep the whole prefix

@@ -8,6 +8,7 @@ from .bacon import Bacon
 from .base import BuildContext, Decision, Method, StepContext
 from .exact import Exact
 from .full import Full
+from .infinigen import InfiniGen
 from .arkvale import ArkVale
 from .prefill_oracle import PrefillOracle
 from .quest import Quest
@@ -15,7 +16,7 @@ from .rcr import RCR, Fixed
 from .rcr_layer import RCRLayer
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Bacon, PrefillOracle, Exact, Fixed, RCR, RCRLayer,
-                                                        Quest, ArkVale)}
+                                                        Quest, ArkVale, InfiniGen)}
 
 
 def parse_method(label: str, config: RCRConfig | None = None) -> Method:
@@ -41,4 +42,4 @@ def parse_method(label: str, config: RCRConfig | None = None) -> Method:
 
 
 __all__ = ["METHODS", "parse_method", "Method", "Decision", "StepContext", "BuildContext",
-           "Full", "Bacon", "PrefillOracle", "Exact", "Fixed", "RCR", "RCRLayer", "Quest", "ArkVale"]
+           "Full", "Bacon", "PrefillOracle", "Exact", "Fixed", "RCR", "RCRLayer", "Quest", "ArkVale", "InfiniGen"]

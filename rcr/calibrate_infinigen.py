@@ -1,0 +1,176 @@
+"""Offline InfiniGen calibration on the target model's own prompts (spec §4.5, adapted to VLMs).
+
+    python -m rcr.calibrate_infinigen --model PATH --out DIR [--images DIR] [--n 8] [--prompt TEXT]
+
+Runs the model's prefill on image + text prompts (synthetic scenes of coloured shapes by default, since no
+dataset is assumed; or the images of ``--images``) with the task prompt, records post-RoPE queries and keys of
+every layer, and writes per layer and KV head the skew matrix A (Hkv, d, d) and the partial columns (Hkv, c)
+to DIR/infinigen.safetensors, plus DIR/calibration.json with the exact command, the model, the prompts and
+the library versions. Point ``RCRConfig.infinigen_calibration`` at DIR. Two passes over the prompts: the Gram
+matrices Q^T Q and K^T K first (memory does not grow with the prompt count), then sum |QA| and |KA| for the
+partial columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from .attention import rcr_attention_enabled
+from .methods.infinigen import (check_orthogonal, partial_columns, save_calibration, skew_from_grams)
+from .models import PROMPTS, adapter_for, build_inputs, geometry
+
+
+def synthetic_scene(seed: int, size: int = 448):
+    """A random scene of coloured rectangles and ellipses on a plain background (PIL image)."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    img = Image.new("RGB", (size, size), tuple(int(c) for c in rng.integers(0, 256, 3)))
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(3, 9))):
+        x0, y0 = rng.integers(0, size - size // 8, 2)
+        w, h = rng.integers(size // 16, size // 3, 2)
+        box = [int(x0), int(y0), int(min(size - 1, x0 + w)), int(min(size - 1, y0 + h))]
+        colour = tuple(int(c) for c in rng.integers(0, 256, 3))
+        (draw.rectangle if rng.random() < 0.5 else draw.ellipse)(box, fill=colour)
+    return img
+
+
+class _Recorder:
+    """Attention hook for a calibration prefill: plain SDPA, accumulating per layer either the Gram matrices
+    (pass 1) or the column sums of |QA| and |KA| (pass 2). Batch 1, no padding."""
+
+    def __init__(self, n_kv: int, skews: list[torch.Tensor] | None = None):
+        self.n_kv, self.skews = n_kv, skews
+        self.acc: dict[int, list[torch.Tensor]] = {}
+        self.tokens = 0
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        layer = module.layer_idx
+        _, Hq, N, d = query.shape
+        q = query[0].double().reshape(self.n_kv, Hq // self.n_kv * N, d)  # (Hkv, G*N, d): the group's queries
+        k = key[0].double()  # (Hkv, N, d)
+        if self.skews is None:
+            parts = [q.transpose(1, 2) @ q, k.transpose(1, 2) @ k]
+        else:
+            a = self.skews[layer].double().to(q.device)
+            parts = [(q @ a).abs().sum(1), (k @ a).abs().sum(1)]
+        if layer in self.acc:
+            self.acc[layer] = [x + y for x, y in zip(self.acc[layer], parts)]
+        else:
+            self.acc[layer] = parts
+        if layer == 0:
+            self.tokens += N
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+@torch.no_grad()
+def _run(model, inputs_list, recorder) -> None:
+    adapter = adapter_for(model)
+    with rcr_attention_enabled(model):
+        for inputs in inputs_list:
+            inputs = inputs.to(model.device)
+            pos, _ = adapter.prefill_positions(model, inputs)
+            model(**inputs, position_ids=pos, use_cache=False, rcr_hook=recorder, logits_to_keep=1)
+
+
+@torch.no_grad()
+def calibrate(model, inputs_list: list, partial_ratio: float = 0.25) -> tuple[list, list, dict]:
+    """(skews[l] (Hkv, d, d), cols[l] (Hkv, c), stats) from prefills of ``inputs_list`` (processor outputs of
+    batch 1)."""
+    geo = geometry(model)
+    rec = _Recorder(geo.n_kv_heads)
+    _run(model, inputs_list, rec)
+    skews = [skew_from_grams(*rec.acc[layer]).cpu() for layer in range(geo.n_layers)]
+    for layer, a in enumerate(skews):
+        check_orthogonal(a, f"skew matrix of layer {layer}")
+    rec2 = _Recorder(geo.n_kv_heads, skews)
+    _run(model, inputs_list, rec2)
+    c = max(1, round(partial_ratio * geo.head_dim))
+    cols = [partial_columns(*rec2.acc[layer], c).cpu() for layer in range(geo.n_layers)]
+    stats = {"n_prompts": len(inputs_list), "n_tokens": rec.tokens, "partial_columns": c,
+             "n_layers": geo.n_layers, "n_kv_heads": geo.n_kv_heads, "head_dim": geo.head_dim}
+    return skews, cols, stats
+
+
+def _git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(prog="python -m rcr.calibrate_infinigen", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="model directory or hub id (a supported VLM family)")
+    ap.add_argument("--out", required=True, help="output directory (give this to RCRConfig.infinigen_calibration)")
+    ap.add_argument("--images", help="directory of images to calibrate on (default: synthetic scenes)")
+    ap.add_argument("--n", type=int, default=8, help="number of prompts (default 8)")
+    ap.add_argument("--prompt", default=PROMPTS["detailcaps"], help="text prompt after the image")
+    ap.add_argument("--image-size", type=int, default=448, help="synthetic scene size in pixels (default 448)")
+    ap.add_argument("--partial-ratio", type=float, default=0.25,
+                    help="partial columns as a fraction of the head dim (default 0.25: Np/4 key equivalents)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.n < 1:
+        ap.error("--n must be >= 1")
+    if not 0 < args.partial_ratio <= 1:
+        ap.error("--partial-ratio must be in (0, 1]")
+
+    from PIL import Image
+
+    from .models import load
+
+    model, processor = load(args.model, device=args.device, dtype=args.dtype)
+    if args.images:
+        files = sorted(f for f in os.listdir(args.images)
+                       if f.lower().endswith((".png", ".jpg", ".jpeg", ".webp", ".bmp")))[: args.n]
+        if not files:
+            ap.error(f"--images {args.images}: no image files")
+        images = [Image.open(os.path.join(args.images, f)).convert("RGB") for f in files]
+        source = {"images": os.path.abspath(args.images), "files": files}
+    else:
+        images = [synthetic_scene(args.seed + i, args.image_size) for i in range(args.n)]
+        source = {"synthetic_scenes": {"n": args.n, "seed": args.seed, "size": args.image_size}}
+    inputs_list = [build_inputs(processor, [args.prompt], [[img]]) for img in images]
+    skews, cols, stats = calibrate(model, inputs_list, args.partial_ratio)
+    import transformers
+
+    meta = {
+        "command": "python -m rcr.calibrate_infinigen " + shlex.join(argv),
+        "cwd": os.getcwd(),
+        "model": args.model,
+        "prompt": args.prompt,
+        "source": source,
+        "partial_ratio": args.partial_ratio,
+        "dtype": str(next(model.parameters()).dtype),
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "rcr_commit": _git_commit(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        **stats,
+    }
+    save_calibration(args.out, skews, cols, meta)
+    print(f"wrote {os.path.join(os.path.abspath(args.out), 'infinigen.safetensors')}: {stats['n_layers']} layers x "
+          f"{stats['n_kv_heads']} KV heads, skew {stats['head_dim']}x{stats['head_dim']}, "
+          f"{stats['partial_columns']} partial columns, {stats['n_tokens']} tokens from {stats['n_prompts']} prompts")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

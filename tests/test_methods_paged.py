@@ -1,0 +1,297 @@
+"""Quest, ArkVale, InfiniGen and rcr_layer: the scoring rules of spec §4.3-4.5 on random tensors, their
+selections, InfiniGen's skew and speculation, per-layer thresholds, and no host sync in their decode steps.
+(Budget >= prefix equivalence for every registered method is in test_equivalence.py.)"""
+
+import numpy as np
+import pytest
+import torch
+
+import rcr
+import tiny_models
+from rcr.cache import PrefixStore
+from rcr.methods import parse_method
+from rcr.methods.arkvale import cuboid_mean_digest
+from rcr.methods.infinigen import (InfiniGen, check_orthogonal, load_calibration, partial_columns, project_query,
+                                   save_calibration, skew_from_grams)
+from rcr.methods.quest import PageLayout, bound_scores, page_bounds, select_pages
+from test_rcr_core import forbid_host_sync
+
+SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3, page_size=4)
+
+
+def fake_store(valid: torch.Tensor, window: int) -> PrefixStore:
+    """A store with only the geometry the page layout reads."""
+    B, N = valid.shape
+    return PrefixStore(layers=[], valid=valid, next_position=torch.zeros(B, dtype=torch.long),
+                       first_logits=torch.zeros(B, 1), window=window, scaling=1.0, n_kv_heads=1, n_q_heads=1,
+                       head_dim=1)
+
+
+def padded_valid(n: int, pads: list[int]) -> torch.Tensor:
+    return torch.stack([torch.arange(n) >= p for p in pads])
+
+
+# ------------------------------------------------------------------------------------------------- Quest
+
+@pytest.mark.parametrize("seed", range(5))
+def test_quest_page_bound_is_an_upper_bound_on_random_tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, H, G, N, W, d, ps = 2, 3, 4, 61, 5, 16, 16  # 56 prefix entries: pages 16,16,16,8; left padding in sample 1
+    valid = padded_valid(N, [0, 7])
+    layout = PageLayout.build(fake_store(valid, W), ps)
+    keys = torch.randn(B, H, N - W, d, generator=g) * torch.rand(1, 1, 1, d, generator=g) * 3  # uneven channels
+    q = torch.randn(B, H, G, d, generator=g) * 2
+    hi, lo = page_bounds(keys, layout)
+    u = bound_scores(q, hi, lo)  # (B, H, G, P)
+    exact = torch.einsum("bhgd,bhnd->bhgn", q, keys)
+    n_checked = 0
+    for b in range(B):
+        for p in range(layout.n_pages):
+            members = ((layout.page_of[b] == p) & valid[b, : N - W]).nonzero().squeeze(1)
+            if len(members) == 0:
+                assert layout.page_len[b, p] == 0
+                continue
+            assert layout.page_len[b, p] == len(members)
+            true_max = exact[b, :, :, members].amax(-1)  # (H, G)
+            assert (u[b, :, :, p] >= true_max - 1e-4).all()
+            # the bound written out literally: sum_i max(q_i M_i, q_i m_i)
+            lit = torch.maximum(q[b] * hi[b, :, None, p], q[b] * lo[b, :, None, p]).sum(-1)
+            torch.testing.assert_close(u[b, :, :, p], lit, rtol=1e-5, atol=1e-4)
+            n_checked += 1
+    assert n_checked == 8  # sample 0: pages of 16, 16, 16, 8; sample 1 (49 valid entries): 16, 16, 16, 1
+    # reduced over the G query heads by max (quest_reduction="max"), it bounds the whole group's max
+    for b in range(B):
+        for p in range(layout.n_pages):
+            members = ((layout.page_of[b] == p) & valid[b, : N - W]).nonzero().squeeze(1)
+            assert (u[b, :, :, p].amax(-1) >= exact[b, :, :, members].amax(dim=(-1, -2)) - 1e-4).all()
+
+
+def test_quest_selection_is_the_union_of_the_top_pages():
+    N, W, ps = 45, 5, 8  # Np = 40: sample 0 pages of 8; sample 1 has 3 padding entries -> pages 8,8,8,8,5
+    valid = padded_valid(N, [0, 3])
+    layout = PageLayout.build(fake_store(valid, W), ps)
+    assert layout.n_pages == 5
+    assert layout.page_len.tolist() == [[8, 8, 8, 8, 8], [8, 8, 8, 8, 5]]
+    scores = torch.tensor([[[0.0, 5.0, 1.0, 4.0, 2.0]], [[0.0, 1.0, 2.0, 3.0, 9.0]]])  # (B, H=1, P)
+    sel = select_pages(scores, layout, 16, valid[:, : N - W])
+    assert sel[0, 0].tolist() == list(range(8, 16)) + list(range(24, 32))  # pages 1 and 3
+    # sample 1: page 4 (5 entries, 35..39) + page 3 (27..34) + 3 slots from page 2, in position order (19..21)
+    assert sel[1, 0].tolist() == [19, 20, 21] + list(range(27, 40))
+    # every page fits: every entry is selected (sample 1's 3 padding entries fill the 3 spare slots)
+    all_sel = select_pages(scores, layout, 40, valid[:, : N - W])
+    assert all_sel[0, 0].tolist() == all_sel[1, 0].tolist() == list(range(40))
+
+
+# ----------------------------------------------------------------------------------------------- ArkVale
+
+def test_arkvale_cuboid_mean_digest_matches_definition():
+    g = torch.Generator().manual_seed(0)
+    N, W, ps, d = 37, 3, 8, 6
+    valid = padded_valid(N, [0, 5])
+    layout = PageLayout.build(fake_store(valid, W), ps)
+    keys = torch.randn(2, 2, N - W, d, generator=g)
+    bmax, bmin = cuboid_mean_digest(keys, layout)
+    for b in range(2):
+        for p in range(layout.n_pages):
+            m = ((layout.page_of[b] == p) & valid[b, : N - W]).nonzero().squeeze(1)
+            if len(m) == 0:
+                continue
+            k = keys[b, :, m].double().numpy()  # (H, n, d)
+            c = (k.max(1) + k.min(1)) / 2
+            r = np.abs(c[:, None] - k).mean(1)
+            np.testing.assert_allclose(bmax[b, :, p].numpy(), c + r, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(bmin[b, :, p].numpy(), c - r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    model, proc = tiny_models.qwen2_vl()
+    inputs = tiny_models.batch_inputs(proc, [4, 20], image_size=224)
+    return model, inputs, rcr.prefill(model, inputs, SMALL)
+
+
+def test_arkvale_recall_keeps_the_top_page_resident_and_counts_recalls(qwen):
+    model, _, prefix = qwen
+    seen = []
+
+    class Probe(type(parse_method("arkvale", SMALL))):
+        def decide(self, ctx):
+            old = ctx.resident.selection.clone()
+            d = super().decide(ctx)
+            score = self.page_scores(ctx)  # (B, Hkv, P)
+            top = score.argmax(-1)
+            lay = ctx.state.layout
+            for b in range(score.shape[0]):
+                for h in range(score.shape[1]):
+                    members = ((lay.page_of[b] == top[b, h]) & ctx.prefix.prefix_valid[b]).nonzero().squeeze(1)
+                    assert set(members.tolist()) <= set(d.selection[b, h].tolist())  # the top page is resident
+                    new = set(d.selection[b, h].tolist()) - set(old[b, h].tolist())
+                    new = {i for i in new if ctx.prefix.prefix_valid[b, i]}
+                    seen.append((len(new), bool(d.trigger[b, h])))
+            return d
+
+    r = rcr.decode(model, prefix, Probe(config=SMALL), 10, eos_token_id=[])
+    tel = r.telemetry
+    assert (tel.keys_read <= 8).all() and (tel.keys_read == tel.values_read).all()
+    assert any(n == 0 for n, _ in seen) and any(n > 0 for n, _ in seen)  # sticky pages, and real recalls
+    assert all((n > 0) == t for n, t in seen)  # trigger = "something was recalled"
+    assert tel.keys_read.mean() < 8  # fewer reads than re-reading the whole selection each step
+
+
+# --------------------------------------------------------------------------------------------- InfiniGen
+
+def test_infinigen_skew_is_orthogonal_and_leaves_qk_unchanged():
+    g = torch.Generator().manual_seed(0)
+    d = 32
+    mix = torch.randn(d, d, generator=g)
+    q = torch.randn(3, 200, d, generator=g) @ mix  # correlated channels, like real queries
+    k = torch.randn(3, 150, d, generator=g) @ mix.T
+    a = skew_from_grams(q.transpose(1, 2) @ q, k.transpose(1, 2) @ k)  # (3, d, d)
+    check_orthogonal(a)
+    torch.testing.assert_close(a.transpose(1, 2) @ a, torch.eye(d).expand(3, d, d), atol=1e-5, rtol=0)
+    torch.testing.assert_close((q @ a) @ (k @ a).transpose(1, 2), q @ k.transpose(1, 2), rtol=1e-4, atol=1e-3)
+    # the first skewed column carries the most query energy (it is the top right singular vector of Q)
+    energy = (q @ a).pow(2).sum(1)  # (3, d)
+    assert (energy.argmax(-1) == 0).all()
+    with pytest.raises(ValueError, match="not orthogonal"):
+        check_orthogonal(a * 1.01)
+
+
+def test_infinigen_partial_columns_union_rule():
+    abs_q = torch.tensor([9.0, 1.0, 8.0, 2.0, 0.0, 3.0])
+    abs_k = torch.tensor([0.0, 7.0, 1.0, 2.0, 9.0, 3.0])
+    assert partial_columns(abs_q, abs_k, 2).tolist() == [0, 4]  # rank 0 of each
+    assert partial_columns(abs_q, abs_k, 4).tolist() == [0, 1, 2, 4]  # + rank 1 of each
+    assert len(partial_columns(abs_q, abs_k, 5)) == 5
+
+
+@pytest.mark.parametrize("family", list(tiny_models.FAMILIES))
+def test_infinigen_speculation_uses_the_modules_own_projection(family):
+    """project_query on layer l's own input reproduces the query transformers computed (Qwen2's q bias,
+    Qwen3's q_norm, M-RoPE), and the speculated query of layer l is built from layer l-1's input."""
+    model, proc = tiny_models.FAMILIES[family]()
+    inputs = tiny_models.batch_inputs(proc, [4, 9], image_size=112)
+    prefix = rcr.prefill(model, inputs, SMALL)
+    checked = []
+
+    class Probe(InfiniGen):
+        def decide(self, ctx):
+            st = ctx.state
+            own = project_query(st.attn[ctx.layer], st.inputs[ctx.layer], st.position_embeddings)
+            torch.testing.assert_close(own, ctx.query, rtol=1e-5, atol=1e-5)
+            if ctx.layer > 0:
+                spec = self.speculated_query(ctx)
+                ref = project_query(st.attn[ctx.layer], st.inputs[ctx.layer - 1], st.position_embeddings)
+                assert torch.equal(spec, ref) and not torch.allclose(spec, ctx.query)
+            checked.append(ctx.layer)
+            return super().decide(ctx)
+
+    m = Probe(config=SMALL)
+    rcr.decode(model, prefix, m, 3, eos_token_id=[])
+    assert len(checked) == 2 * len(prefix.layers)
+    if family != "llava_next":  # the families whose projection has a bias / a q_norm
+        attn = model.model.language_model.layers[0].self_attn
+        assert attn.q_proj.bias is not None or getattr(attn, "q_norm", None) is not None
+    for layer in model.model.language_model.layers:  # hooks live for one decode only
+        assert not layer.self_attn._forward_pre_hooks
+
+
+def test_infinigen_calibration_file_round_trip_and_use(qwen, tmp_path):
+    from rcr.calibrate_infinigen import calibrate, synthetic_scene
+    from rcr.models import build_inputs
+
+    model, inputs, _ = qwen
+    proc = tiny_models.qwen2_vl()[1]
+    data = [build_inputs(proc, ["Describe this image in detail."], [[synthetic_scene(i, 112)]]) for i in range(2)]
+    skews, cols, stats = calibrate(model, data, 0.25)
+    assert stats["partial_columns"] == 8 and len(skews) == len(cols) == 3
+    save_calibration(str(tmp_path), skews, cols, {"command": "test"})
+    s2, c2, meta = load_calibration(str(tmp_path))
+    assert meta["command"] == "test" and all(torch.equal(a, b) for a, b in zip(skews, s2))
+    # q.k invariance on the model's real post-RoPE prefix keys and window queries
+    prefix = rcr.prefill(model, inputs, SMALL)
+    k = prefix.layers[1].keys[0, 0].float()
+    q = prefix.layers[1].window_queries[0, :2].float().reshape(-1, k.shape[-1])
+    a = s2[1][0]
+    torch.testing.assert_close((q @ a) @ (k @ a).T, q @ k.T, rtol=1e-4, atol=1e-4)
+    cfg = SMALL.replace(infinigen_calibration=str(tmp_path))
+    r = rcr.generate(model, inputs, method=["infinigen"], max_new_tokens=4, config=cfg, ignore_eos=True)
+    assert r["infinigen"].cost["calibration"] == str(tmp_path)
+    big = rcr.RCRConfig(selected=4096, candidates=4096, window=8, infinigen_calibration=str(tmp_path))
+    r = rcr.generate(model, inputs, method=["full", "infinigen"], max_new_tokens=6, config=big, ignore_eos=True)
+    assert torch.equal(r["full"].sequences, r["infinigen"].sequences)
+    with pytest.raises(rcr.ConfigError, match="infinigen_calibration"):
+        rcr.generate(model, inputs, method="infinigen", max_new_tokens=2,
+                     config=SMALL.replace(infinigen_calibration=str(tmp_path / "nothing")))
+
+
+def test_infinigen_layer0_rules(qwen):
+    model, _, prefix = qwen
+    r = rcr.decode(model, prefix, parse_method("infinigen", SMALL.replace(infinigen_layer0="static")), 5,
+                   eos_token_id=[])
+    assert (r.telemetry.trigger[:, 0] == 0).all() and (r.telemetry.keys_read[:, 0] == 0).all()
+    assert (r.telemetry.trigger[:, 1:] == 1).all()
+    r = rcr.decode(model, prefix, parse_method("infinigen", SMALL), 5, eos_token_id=[])
+    assert (r.telemetry.trigger == 1).all()
+    np.testing.assert_allclose(r.telemetry.detector_dots[0], prefix.prefix_valid[0].sum().item() * 8 / 32)
+
+
+# --------------------------------------------------------------------------------------------- rcr_layer
+
+def test_rcr_layer_has_one_tau_per_layer_updated_by_its_own_refreshes(qwen):
+    model, _, prefix = qwen
+    probe = rcr.decode(model, prefix, parse_method("rcr", SMALL), 12, eos_token_id=[]).telemetry.drift
+    cfg = SMALL.replace(tau0=float(np.median(probe)))  # this sample's drift scale: some layer-steps fire
+    r = rcr.decode(model, prefix, parse_method("rcr_layer", cfg), 12, eos_token_id=[])
+    tau, trig = r.telemetry.tau, r.telemetry.trigger  # (B, L, T)
+    assert 0 < trig.mean() < 1
+    np.testing.assert_allclose(tau[:, :, 0], cfg.tau0, rtol=1e-6)
+    expect = tau[:, :, :-1] * np.exp(cfg.step * (trig[:, :, :-1] - cfg.rho))  # each layer its own controller
+    np.testing.assert_allclose(tau[:, :, 1:], expect, rtol=1e-5)
+    assert not np.allclose(tau[:, 0], tau[:, -1])  # layers diverge: they are not one shared threshold
+
+
+# ------------------------------------------------------------------------------------- host sync, config
+
+@pytest.mark.parametrize("label", ["quest", "arkvale", "infinigen", "rcr_layer"])
+def test_new_methods_decode_without_host_sync(qwen, label):
+    model, _, prefix = qwen
+    dec = rcr.Decoder(model, prefix, parse_method(label, SMALL), max_new_tokens=6, eos_token_id=[0])
+    with dec.enabled(), torch.no_grad():
+        dec.step()
+        with forbid_host_sync():
+            dec.step()
+            dec.step()
+    assert dec.t == 3
+
+
+@pytest.mark.parametrize("field,value", [
+    ("page_size", 0), ("quest_reduction", "sum"), ("arkvale_rule", "lru"), ("arkvale_groups", "all"),
+    ("infinigen_partial_ratio", 0.0), ("infinigen_partial_ratio", 1.5), ("infinigen_layer0", "skip"),
+    ("infinigen_calibration", ""), ("offload", "yes"),
+])
+def test_new_config_fields_are_validated(field, value):
+    with pytest.raises(rcr.ConfigError, match=field):
+        rcr.RCRConfig(**{field: value})
+
+
+def test_new_methods_are_registered():
+    for name in ("quest", "arkvale", "infinigen", "rcr_layer"):
+        assert name in rcr.METHODS and parse_method(name).name == name
+
+
+def test_calibrate_infinigen_cli_records_its_command(tmp_path):
+    import json
+
+    from rcr.calibrate_infinigen import main
+
+    model, proc = tiny_models.qwen2_vl()
+    model.save_pretrained(tmp_path / "model")
+    proc.save_pretrained(tmp_path / "model")
+    argv = ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "cal"), "--n", "2", "--image-size", "112"]
+    assert main(argv) == 0
+    meta = json.load(open(tmp_path / "cal" / "calibration.json"))
+    assert meta["command"].startswith("python -m rcr.calibrate_infinigen --model ")
+    assert meta["n_prompts"] == 2 and meta["partial_columns"] == 8 and "synthetic_scenes" in meta["source"]
+    skews, cols, _ = load_calibration(str(tmp_path / "cal"))
+    assert len(skews) == 3 and tuple(cols[0].shape) == (2, 8)

@@ -93,3 +93,19 @@ def test_offload_applies_to_drift_methods_only(qwen):
     host = prefix.to_host()
     assert host is prefix.to_host() and host.offloaded and not prefix.offloaded  # one shared host copy
     assert all(pl.keys.device.type == "cpu" and pl.keys.is_contiguous() for pl in host.layers)
+
+
+def test_offload_equals_resident_and_full_on_every_family(family):
+    """Per family: offload == resident at a small budget, and == full with a budget over the prefix."""
+    name, model, proc = family
+    inputs = tiny_models.batch_inputs(proc, [3, 12])
+    small = rcr.RCRConfig(selected=4, window=4, candidates=8, tau0=0.05)
+    a = rcr.generate(model, inputs, method=["rcr"], max_new_tokens=8, config=small, ignore_eos=True)["rcr"]
+    b = rcr.generate(model, inputs, method=["rcr"], max_new_tokens=8, config=small.replace(offload=True),
+                     ignore_eos=True)["rcr"]
+    assert b.offload and torch.equal(a.sequences, b.sequences), name
+    big = rcr.RCRConfig(selected=4096, candidates=4096, window=8, offload=True)
+    r = rcr.generate(model, inputs, method=["full", "rcr", "rcr_layer"], max_new_tokens=8, config=big,
+                     ignore_eos=True)
+    assert torch.equal(r["rcr"].sequences, r["full"].sequences), name
+    assert torch.equal(r["rcr_layer"].sequences, r["full"].sequences), name

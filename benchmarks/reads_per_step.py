@@ -1,0 +1,173 @@
+"""Prefix reads per decode step for every method, measured, next to the paper's cost model; and the bytes that
+offload mode really moves from host memory, next to the 160·r model.
+
+    python benchmarks/reads_per_step.py [--model PATH] [--samples 3] [--max-new-tokens 48] [--image-size 896]
+
+Model: ``--model``, else the embedded model (assets/embedded/model) when it exists, else a tiny random-weight
+Qwen2-VL (tests/tiny_models.py) with a realistic prefix (896 px: 1,024 visual tokens). Every method decodes
+the same samples (batch 1 each) with the paper's budget: 32 selected + 32 window slots, 128 candidates, rank 8,
+pages of 16. Reads are counted per KV head and layer-step, as the telemetry records them (the deployment
+accounting: what a step must bring from the prefix store).
+
+Cost model (seed/rcr-paper-summary.txt, spec §3-4), per KV head and step:
+- rcr / fixed / rcr_layer: 160·r vector reads (128 candidate keys + 32 values when the layer refreshes, r the
+  refresh fraction); detector Np·rank/d dot products (Np/16 at d=128, rank 8).
+- quest / arkvale / infinigen: 64 vectors (32 keys + 32 values); summaries of 2 vectors per page (Np/8) for
+  Quest/ArkVale, Np/4 partial keys for InfiniGen. ArkVale is measured as it pays: recalled pages only.
+- exact: Np keys + 32 values. bacon / prefill_oracle / full: 0.
+- Offload bytes per step (all layers and KV heads): L·Hkv·160·r·d·s, s = bytes per element.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import rcr  # noqa: E402
+from rcr.models import PROMPTS, build_inputs, geometry  # noqa: E402
+
+METHODS = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen"]
+OFFLOAD = ["fixed", "rcr", "rcr_layer"]
+EMBEDDED = os.path.join(ROOT, "assets", "embedded", "model")
+
+
+def load_model(args):
+    path = args.model or (EMBEDDED if os.path.isdir(EMBEDDED) else None)
+    if path:
+        model, proc = rcr.models.load(path, device="cpu", dtype=torch.float32)
+        try:  # the embedded model was trained on the pipeline's synthetic scenes
+            sys.path.insert(0, ROOT)
+            from pipeline.synthetic import render
+
+            def image(i):
+                from PIL import Image
+
+                return Image.fromarray(render("detailcaps", args.seed, i)[0][0])
+        except Exception:
+            from rcr.calibrate_infinigen import synthetic_scene
+
+            def image(i):
+                return synthetic_scene(args.seed + i, args.image_size)
+        return path, model, proc, image
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import tiny_models
+
+    model, proc = tiny_models.qwen2_vl()
+    return ("tiny random Qwen2-VL (tests/tiny_models.py)", model, proc,
+            lambda i: tiny_models.random_image(args.seed + i, args.image_size))
+
+
+def model_reads(label: str, np_: float, r: float, cfg: rcr.RCRConfig, d: int) -> tuple[str, float, float]:
+    """(formula, vectors per KV head per step, detector dots per query vector) of the cost model."""
+    s = cfg.selected
+    if label in ("rcr", "fixed", "rcr_layer"):
+        return "160·r", (cfg.candidates + s) * r, np_ * cfg.rank / d
+    if label in ("quest", "arkvale"):
+        return "64", 2.0 * s, 2 * np.ceil(np_ / cfg.page_size)
+    if label == "infinigen":
+        return "64", 2.0 * s, np_ * round(cfg.infinigen_partial_ratio * d) / d
+    if label == "exact":
+        return "Np+32", np_ + s, 0.0
+    return "0", 0.0, 0.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model directory (default: the embedded model, else a tiny random Qwen2-VL)")
+    ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--image-size", type=int, default=896, help="for synthetic/random images (896: 1,024 tokens)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--infinigen-calibration", help="directory from python -m rcr.calibrate_infinigen")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+    name, model, proc, image = load_model(args)
+    geo = geometry(model)
+    cfg = rcr.RCRConfig(infinigen_calibration=args.infinigen_calibration)  # the paper's budget and defaults
+    methods = [m for m in args.methods.split(",") if m]
+    elt = next(model.parameters()).element_size()
+    rows: dict[str, list[dict]] = {m: [] for m in methods}
+    off_rows: dict[str, list[dict]] = {m: [] for m in OFFLOAD if m in methods}
+    t0 = time.perf_counter()
+    for i in range(args.samples):
+        inputs = build_inputs(proc, [PROMPTS["detailcaps"]], [[image(i)]])
+        res = rcr.generate(model, inputs, method=methods, max_new_tokens=args.max_new_tokens, config=cfg,
+                           ignore_eos=True)
+        off = rcr.generate(model, inputs, method=list(off_rows), max_new_tokens=args.max_new_tokens,
+                           config=cfg.replace(offload=True), ignore_eos=True) if off_rows else {}
+        for m in methods:
+            s = res[m].sample(0)
+            rows[m].append(dict(np_=s["prefix_len"], r=s["refresh_fraction"], k=s["keys_read_per_step"],
+                                v=s["values_read_per_step"], dots=s["detector_dots_per_step"],
+                                match=float((res[m].sequences == res["full"].sequences).float().mean())
+                                if "full" in res else float("nan")))
+        for m in off_rows:
+            s = off[m].sample(0)
+            assert torch.equal(off[m].sequences, res[m].sequences), f"{m}: offload output != resident output"
+            off_rows[m].append(dict(r=s["refresh_fraction"], bytes=s["bytes_moved_per_step"]))
+    wall = time.perf_counter() - t0
+
+    np_mean = float(np.mean([r["np_"] for r in rows[methods[0]]]))
+    print(f"model: {name}  ({geo.n_layers} layers, {geo.n_q_heads} q / {geo.n_kv_heads} KV heads, d={geo.head_dim}, "
+          f"{elt}-byte elements)")
+    print(f"samples: {args.samples} x {args.max_new_tokens} new tokens, prefix Np = {np_mean:.0f} entries per KV head; "
+          f"budget {cfg.selected} selected + {cfg.window} window, {cfg.candidates} candidates, rank {cfg.rank}, "
+          f"page {cfg.page_size}; wall {wall:.0f} s")
+    print()
+    print("Prefix reads per KV head per layer-step (keys + values), measured vs cost model")
+    hdr = (f"{'method':<15}{'r':>7}{'keys':>9}{'values':>9}{'total':>9}   {'model':<7}{'= vectors':>10}"
+           f"{'dots meas.':>12}{'dots model':>12}{'= x Np':>9}{'tok match':>11}")
+    print(hdr)
+    print("-" * len(hdr))
+    out = {"model": name, "geometry": vars(geo), "np": np_mean, "config": cfg.to_dict(), "methods": {},
+           "offload": {}}
+    for m in methods:
+        rr = rows[m]
+        r = float(np.mean([x["r"] for x in rr]))
+        k = float(np.mean([x["k"] for x in rr]))
+        v = float(np.mean([x["v"] for x in rr]))
+        dots = float(np.mean([x["dots"] for x in rr]))
+        match = float(np.mean([x["match"] for x in rr]))
+        label = m.split("@")[0]
+        formula, vec, dmodel = model_reads(label, np_mean, r, cfg, geo.head_dim)
+        print(f"{m:<15}{r:>7.3f}{k:>9.1f}{v:>9.1f}{k + v:>9.1f}   {formula:<7}{vec:>10.1f}{dots:>12.1f}"
+              f"{dmodel:>12.1f}{(dots / np_mean if np_mean else 0):>9.3f}{match:>11.2f}")
+        out["methods"][m] = dict(refresh_fraction=r, keys=k, values=v, model=formula, model_vectors=vec,
+                                 detector_dots=dots, detector_dots_model=dmodel, token_match_vs_full=match)
+    if off_rows:
+        print()
+        print("Offload mode: host-to-device bytes per decode step (all layers and KV heads); outputs equal resident")
+        hdr = f"{'method':<15}{'r':>7}{'bytes/step':>13}{'160·r model':>13}{'ratio':>7}{'at r=rho':>11}"
+        print(hdr)
+        print("-" * len(hdr))
+        per_r = geo.n_layers * geo.n_kv_heads * (cfg.candidates + cfg.selected) * geo.head_dim * elt
+        for m, rr in off_rows.items():
+            r = float(np.mean([x["r"] for x in rr]))
+            b = float(np.mean([x["bytes"] for x in rr]))
+            model_b = per_r * r
+            print(f"{m:<15}{r:>7.3f}{b:>13.0f}{model_b:>13.0f}{(b / model_b if model_b else float('nan')):>7.3f}"
+                  f"{per_r * cfg.rho:>11.0f}")
+            out["offload"][m] = dict(refresh_fraction=r, bytes_per_step=b, model_bytes=model_b,
+                                     model_bytes_at_rho=per_r * cfg.rho)
+        print(f"(model: L·Hkv·160·r·d·s = {geo.n_layers}·{geo.n_kv_heads}·160·r·{geo.head_dim}·{elt} bytes)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

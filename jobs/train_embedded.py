@@ -310,7 +310,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--size", default="mini", choices=sorted(MODEL_SIZES))
-    ap.add_argument("--steps", type=int, default=2500, help="optimizer steps")
+    ap.add_argument("--steps", type=int, default=3000, help="optimizer steps")
     ap.add_argument("--minutes", type=float, default=None,
                     help="stop (and save) after this many minutes of this process; for smoke runs")
     ap.add_argument("--stop-after", type=int, default=None,

@@ -100,7 +100,7 @@ def vocabulary() -> list[str]:
     fixed = [
                 "In row , column , a left of the at the end of its row .",
         "A and at moves from to then stays in the whole time",
-        "One object . Two objects .",
+        "One object . Two objects . The",
     ]
     fixed += list(PROMPTS.values()) + list(VIDEO_POSITIONS) + list(QUADRANTS)
     fixed += list(COLOURS) + list(SHAPES) + list(SIZES) + list(TEXTURES) + list(NUMBER_WORDS)

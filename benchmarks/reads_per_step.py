@@ -62,6 +62,7 @@ def load_model(args):
     import tiny_models
 
     model, proc = tiny_models.qwen2_vl()
+    proc.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": args.image_size ** 2}  # full-size images
     return ("tiny random Qwen2-VL (tests/tiny_models.py)", model, proc,
             lambda i: tiny_models.random_image(args.seed + i, args.image_size))
 
@@ -88,7 +89,11 @@ def main(argv=None) -> int:
     ap.add_argument("--image-size", type=int, default=896, help="for synthetic/random images (896: 1,024 tokens)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--infinigen-calibration", help="directory from python -m rcr.calibrate_infinigen")
+    ap.add_argument("--infinigen-calibration",
+                    help="directory from python -m rcr.calibrate_infinigen (default: calibrate offline here, on "
+                         "4 held-out prompts of the same kind, and store it beside --json)")
+    ap.add_argument("--per-sample-calibration", action="store_true",
+                    help="InfiniGen calibrates each sample from its own prefill instead")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -96,7 +101,21 @@ def main(argv=None) -> int:
 
     name, model, proc, image = load_model(args)
     geo = geometry(model)
-    cfg = rcr.RCRConfig(infinigen_calibration=args.infinigen_calibration)  # the paper's budget and defaults
+    calib = args.infinigen_calibration
+    if calib is None and not args.per_sample_calibration:  # offline, on prompts that are not evaluated
+        from rcr.calibrate_infinigen import calibrate
+        from rcr.methods.infinigen import save_calibration
+
+        import tempfile
+
+        base = os.path.dirname(os.path.abspath(args.json)) if args.json else tempfile.mkdtemp(prefix="rcr-bench-")
+        calib = os.path.join(base, "infinigen_calibration")
+        held_out = [build_inputs(proc, [PROMPTS["detailcaps"]], [[image(1000 + i)]]) for i in range(4)]
+        skews, cols, stats = calibrate(model, held_out, 0.25)
+        save_calibration(calib, skews, cols, {"command": "python benchmarks/reads_per_step.py " + " ".join(
+            sys.argv[1:] if argv is None else argv), "model": name, "prompts": "4 held-out images (index 1000+)",
+            "prompt": PROMPTS["detailcaps"], **stats})
+    cfg = rcr.RCRConfig(infinigen_calibration=calib)  # the paper's budget and defaults
     methods = [m for m in args.methods.split(",") if m]
     elt = next(model.parameters()).element_size()
     rows: dict[str, list[dict]] = {m: [] for m in methods}
@@ -123,6 +142,7 @@ def main(argv=None) -> int:
     np_mean = float(np.mean([r["np_"] for r in rows[methods[0]]]))
     print(f"model: {name}  ({geo.n_layers} layers, {geo.n_q_heads} q / {geo.n_kv_heads} KV heads, d={geo.head_dim}, "
           f"{elt}-byte elements)")
+    print(f"InfiniGen calibration: {calib or 'per sample, from its own prefill'}")
     print(f"samples: {args.samples} x {args.max_new_tokens} new tokens, prefix Np = {np_mean:.0f} entries per KV head; "
           f"budget {cfg.selected} selected + {cfg.window} window, {cfg.candidates} candidates, rank {cfg.rank}, "
           f"page {cfg.page_size}; wall {wall:.0f} s")

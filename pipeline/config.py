@@ -417,6 +417,9 @@ def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", dest="max_image_pixels", type=int)
     p.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None)
     p.add_argument("--rcr", action="append", metavar="KEY=VALUE", help="an rcr.RCRConfig field (repeatable)")
-    p.add_argument("--ray-address", dest="ray_address")
+    p.add_argument("--ray-address", dest="ray_address",
+                   help="default: the cluster of `ray job submit`, else a private local Ray; 'auto' joins a running one")
+    p.add_argument("--engine", help="model backend: 'rcr' (default) or module:Class (tests, other backends)")
+    p.add_argument("--progress-every-s", dest="progress_every_s", type=float)
     p.add_argument("--no-summary", dest="summary", action="store_false", default=None)
     return p

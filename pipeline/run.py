@@ -50,10 +50,19 @@ def embedded_shards(task: str) -> list[str]:
     shipped = REPO_ROOT / "assets" / "embedded" / "shards" / task
     if shipped.is_dir() and any(shipped.glob("*.parquet")):
         return [str(shipped)]
-    cache = Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser() / "shards" / task
-    if not (cache.is_dir() and any(cache.glob("*.parquet"))):
+    cache = Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve() / "shards" / task
+    if not (cache / _success_marker()).is_file():  # absent, or an interrupted write
         write_embedded_shards(task, cache)
     return [str(cache)]
+
+
+def _success_marker() -> str:
+    try:
+        from pipeline.data import SUCCESS_MARKER
+
+        return SUCCESS_MARKER
+    except ImportError:
+        return "_SUCCESS"
 
 
 def write_embedded_shards(task: str, out_dir: Path, n: int | None = None) -> None:
@@ -115,6 +124,13 @@ def _ray_init(cfg: JobConfig):
     elif os.environ.get("RAY_ADDRESS"):  # inside `ray job submit`: the job's cluster
         ray.init(log_to_driver=True)
     else:  # a plain `python jobs/x.py`: a private in-process cluster on 127.0.0.1
+        if "RAY_AUTH_MODE" not in os.environ:
+            # token auth with a token private to this process tree; without this, ray.init() would write
+            # ~/.ray/auth_token, which silently switches every later `ray start` on the machine to token mode
+            import secrets
+
+            os.environ["RAY_AUTH_MODE"] = "token"
+            os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                      p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}})
@@ -230,9 +246,11 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     expected = {(k, m) for k, m in record["planned"]}
     progress = _Progress(plan.n_todo_pairs, n_samples_todo, cfg.progress_every_s)
     seq = 0
+    write_times: list[float] = []  # seconds since the start of the run, one per part written
+    first_write_samples = 0
 
     def write(table: pa.Table) -> None:
-        nonlocal seq
+        nonlocal seq, first_write_samples
         keys = list(zip(table.column("sample_id").to_pylist(), table.column("method").to_pylist()))
         mask = []
         for k in keys:
@@ -247,6 +265,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         if table.num_rows:
             store.write_part(table, run_id, seq)
             seq += 1
+            write_times.append(time.perf_counter() - t_start)
+            if seq == 1:
+                first_write_samples = len(set(table.column("sample_id").to_pylist()))
             progress.update(table)
 
     # 1. rows the driver rejects itself (duplicate / missing sample_id): no model work
@@ -291,7 +312,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     report = {"run_id": run_id, "status": status, "output_dir": cfg.output_dir, "mlflow_uri": cfg.mlflow_uri,
               "n_pairs": plan.n_pairs, "n_existing": plan.n_existing, "n_written": len(written),
-              "n_missing": len(missing), "error": error}
+              "n_missing": len(missing), "error": error, "write_times_s": write_times,
+              "first_write_samples": first_write_samples}
     if cfg.summary:
         report.update(summarize(cfg, store))
     say(f"Parquet: {cfg.output_dir}  (pandas: pd.read_parquet({cfg.output_dir!r}))")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -213,6 +214,9 @@ class LocalRayHead:
         self.dashboard_port = free_port()
         self.address = f"http://127.0.0.1:{self.dashboard_port}"
         self.log = self.tmp / "ray-head.log"
+        import secrets
+
+        self.token = secrets.token_hex(32)
 
     def env(self) -> dict:
         env = dict(os.environ)
@@ -220,6 +224,11 @@ class LocalRayHead:
         env["RAY_ADDRESS"] = self.address
         env["PATH"] = f"{Path(PY).parent}:{env.get('PATH', '')}"
         env["RAY_USAGE_STATS_ENABLED"] = "0"
+        # Ray 2.60 token auth, with a private token: independent of ~/.ray/auth_token (which any local
+        # ray.init() creates, and which would otherwise switch a plain `ray start` into token mode)
+        env["RAY_AUTH_MODE"] = "token"
+        env["RAY_AUTH_TOKEN"] = self.token
+        env.pop("RAY_AUTH_TOKEN_PATH", None)
         return env
 
     def start(self, timeout: float = 180) -> "LocalRayHead":
@@ -243,17 +252,25 @@ class LocalRayHead:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ray start exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                import urllib.request
-
-                with urllib.request.urlopen(f"{self.address}/api/version", timeout=2) as r:
-                    if r.status == 200:
-                        time.sleep(1.0)
-                        return self
-            except Exception:  # noqa: BLE001
-                time.sleep(1.0)
+            if self._dashboard_answers() and self.ray_cli("job", "list", "--address", self.address,
+                                                          timeout=60).returncode == 0:
+                return self
+            time.sleep(1.0)
         self.stop()
         raise RuntimeError(f"the Ray head did not come up in {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def _dashboard_answers(self) -> bool:
+        """Any HTTP answer (401 included: Ray 2.60 enables token auth) means the dashboard is up."""
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(f"{self.address}/api/version", timeout=2).close()
+            return True
+        except urllib.error.HTTPError:
+            return True
+        except Exception:  # noqa: BLE001
+            return False
 
     def submit(self, args: list[str], cwd: Path = REPO, timeout: float = 600, wait: bool = True,
                runtime_env: dict | None = None) -> subprocess.CompletedProcess | subprocess.Popen:
@@ -265,6 +282,33 @@ class LocalRayHead:
             return subprocess.run(cmd, cwd=cwd, env=self.env(), capture_output=True, text=True, timeout=timeout)
         return subprocess.Popen(cmd, cwd=cwd, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
+
+    def job_status(self, submission_id: str) -> str:
+        r = self.ray_cli("job", "status", "--address", self.address, submission_id, timeout=60)
+        text = (r.stdout + r.stderr).lower()  # e.g. "Job 'x' succeeded", "Job 'x' was stopped"
+        for state in ("succeeded", "failed", "stopped", "running", "pending"):
+            if re.search(rf"job '{re.escape(submission_id.lower())}'[^\n]*{state}", text):
+                return state.upper()
+        return "UNKNOWN"
+
+    def wait_job(self, submission_id: str, timeout: float = 600) -> str:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            state = self.job_status(submission_id)
+            if state in ("SUCCEEDED", "FAILED", "STOPPED"):
+                return state
+            time.sleep(2)
+        raise TimeoutError(f"job {submission_id} still not finished after {timeout}s")
+
+    def job_logs(self, submission_id: str) -> str:
+        return self.ray_cli("job", "logs", "--address", self.address, submission_id, timeout=60).stdout
+
+    def actor_pids(self, class_fragment: str) -> list[int]:
+        r = self.ray_cli("list", "actors", "--address", self.address, "--format", "json", "--detail",
+                         "--filter", "state=ALIVE", timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr[-2000:])
+        return [a["pid"] for a in json.loads(r.stdout) if class_fragment in (a.get("class_name") or "")]
 
     def ray_cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([RAY, *args], env=self.env(), capture_output=True, text=True, timeout=timeout)
@@ -288,7 +332,7 @@ class LocalRayHead:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=8)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One command on a fresh machine: install, start a local Ray head (+ MLflow) on 127.0.0.1, and submit the
+# DetailCaps job with `ray job submit`. The job streams its progress and ends with the per-method summary
+# (fidelity, refresh fraction) and the locations of the Parquet output and the MLflow runs.
+#
+#   bash infra/quickstart.sh                  # embedded model + embedded synthetic shards, first 8 samples
+#   bash infra/quickstart.sh --limit 50 --num-actors 2 --max-new-tokens 256   # any jobs/detailcaps.py flag
+#   infra/local_cluster.sh stop               # when done
+#
+# Environment: PYTHON (default python3), RCR_SKIP_INSTALL=1 (use the active environment as is),
+# RCR_RUNS_DIR (default ~/rcr-runs), and the ports of infra/local_cluster.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${RCR_SKIP_INSTALL:-0}" != 1 ]; then
+  if [ ! -x .venv/bin/python ]; then
+    echo "[quickstart] creating .venv"
+    "${PYTHON:-python3}" -m venv .venv
+  fi
+  . .venv/bin/activate
+  if ! python -c "import torch, torchvision, ray, mlflow, rcr, pipeline" 2>/dev/null; then
+    echo "[quickstart] installing (torch 2.14.1 + torchvision 0.29.1, then this repo with the pipeline extras)"
+    python -m pip install -q --upgrade pip
+    python -m pip install -q torch==2.14.1 torchvision==0.29.1
+    python -m pip install -q -e ".[pipeline]"
+  fi
+elif [ -x .venv/bin/python ]; then
+  . .venv/bin/activate
+fi
+
+RUNS="${RCR_RUNS_DIR:-$HOME/rcr-runs}"
+infra/local_cluster.sh start
+# shellcheck disable=SC1091
+source "$RUNS/local-cluster/env"
+
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(--limit 8)
+echo "[quickstart] ray job submit --address $RAY_ADDRESS --working-dir . -- python jobs/detailcaps.py ${args[*]} --mlflow-uri $MLFLOW_TRACKING_URI"
+ray job submit --address "$RAY_ADDRESS" --working-dir . -- \
+  python jobs/detailcaps.py "${args[@]}" --mlflow-uri "$MLFLOW_TRACKING_URI"
+echo "[quickstart] done. Query the rows:  python -c \"import pandas as pd; print(pd.read_parquet('$RUNS/detailcaps-embedded'))\""
+echo "[quickstart] MLflow UI: $MLFLOW_TRACKING_URI     stop the local cluster: infra/local_cluster.sh stop"

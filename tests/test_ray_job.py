@@ -1,0 +1,170 @@
+"""End to end through a real local Ray head on 127.0.0.1: `ray job submit --working-dir . -- python jobs/...`.
+
+One head serves the module (started with `ray start --head --block` on private ports and a private token,
+stopped by its own pid in the fixture teardown). The tests:
+
+1. N samples x M methods -> exactly N*M rows, no duplicate (sample_id, method), with the real core.
+2. An actor is SIGKILLed mid-job; Ray restarts it and retries its batch; still exactly N*M rows.
+3. The job is stopped mid-run and resubmitted; the second run computes only the missing rows.
+4. A shard with one example of each bad input: each bad one becomes error rows, each good one has output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_helpers import (REPO, LocalRayHead, bad_input_records, core_ready, fake_model_dir,  # noqa: E402
+                              synthetic_records, tiny_qwen2_vl_dir, write_shard)
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+
+EMBEDDED_MODEL = REPO / "assets" / "embedded" / "model"
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    h = LocalRayHead(tmp_path_factory.mktemp("ray-head"), num_cpus=2)
+    h.start()
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory) -> str:
+    if not core_ready():
+        pytest.skip("the core library (rcr.generate, rcr.models) is not available")
+    if (EMBEDDED_MODEL / "config.json").is_file():
+        return "embedded"
+    return str(tiny_qwen2_vl_dir(tmp_path_factory.mktemp("model")))
+
+
+def _job_args(script: str, out: Path, shards: Path, model: str, methods: str, *extra: str) -> list[str]:
+    return [script, "--model", model, "--shards", str(shards), "--methods", methods, "--output-dir", str(out),
+            "--mlflow-uri", f"sqlite:///{out.parent / 'mlflow.db'}", "--progress-every-s", "1", *extra]
+
+
+def _keys(df: pd.DataFrame) -> list[tuple[str, str]]:
+    return list(zip(df["sample_id"], df["method"]))
+
+
+def _assert_exact(df: pd.DataFrame, sample_ids: list[str], methods: list[str]) -> None:
+    keys = _keys(df)
+    assert len(keys) == len(set(keys)), "duplicate (sample_id, method) rows"
+    assert set(keys) == {(s, m) for s in sample_ids for m in methods}
+    assert len(df) == len(sample_ids) * len(methods)
+
+
+def _submit_ok(head, args, **kw):
+    r = head.submit(args, **kw)
+    assert r.returncode == 0, f"ray job submit failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def test_submit_gives_exactly_n_x_m_rows(head, real_model, tmp_path):
+    recs = synthetic_records("detailcaps", 3)
+    write_shard(tmp_path / "shards" / "s0.parquet", recs)
+    out = tmp_path / "out"
+    methods = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr"]
+    log = _submit_ok(head, _job_args("jobs/detailcaps.py", out, tmp_path / "shards", real_model, ",".join(methods),
+                                     "--max-new-tokens", "4", "--batch-size", "2", "--num-actors", "2"))
+    df = pd.read_parquet(out)
+    _assert_exact(df, [r["sample_id"] for r in recs], methods)
+    assert df["error"].isna().all(), df["error"].dropna().tolist()
+    assert (df["n_steps"] >= 1).all() and df["output_ids"].map(len).eq(df["n_steps"]).all()
+    assert df["config_hash"].nunique() == 1 and df["drift"].map(len).eq(df["n_layers"]).all()
+    # the job printed progress, the per-method summary and where the results are
+    assert "[rcr-job] progress:" in log
+    assert "rcr" in log and "fidelity" in log
+    assert f"Parquet: {out}" in log and "MLflow runs: sqlite:///" in log
+    assert (tmp_path / "mlflow.db").is_file()
+
+
+def test_actor_killed_mid_job_still_n_x_m(head, tmp_path):
+    n, methods = 8, ["full", "bacon", "rcr"]
+    recs = synthetic_records("textcaps", n)
+    write_shard(tmp_path / "shards" / "s0.parquet", recs)
+    out = tmp_path / "out"
+    sub = f"kill-actor-{uuid.uuid4().hex[:8]}"
+    args = _job_args("jobs/textcaps.py", out, tmp_path / "shards", str(fake_model_dir(tmp_path)), ",".join(methods),
+                     "--engine", "tests.pipeline_helpers:SlowFakeEngine", "--batch-size", "1", "--no-summary")
+    r = head.ray_cli("job", "submit", "--address", head.address, "--working-dir", str(REPO), "--no-wait",
+                     "--submission-id", sub, "--", "python", *args, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    deadline = time.time() + 300
+    while not list(out.glob("part-*.parquet")):  # wait for the first batch to land
+        assert time.time() < deadline and head.job_status(sub) in ("PENDING", "RUNNING"), head.job_logs(sub)[-4000:]
+        time.sleep(0.5)
+    pids = head.actor_pids("SampleEvaluator")
+    assert pids, "no SampleEvaluator actor found"
+    os.kill(pids[0], signal.SIGKILL)
+    assert head.wait_job(sub, timeout=600) == "SUCCEEDED", head.job_logs(sub)[-6000:]
+    df = pd.read_parquet(out)
+    _assert_exact(df, [r["sample_id"] for r in recs], methods)
+    assert df["error"].isna().all()
+    assert pids[0] not in head.actor_pids("SampleEvaluator")
+
+
+def test_stopped_job_resumes_only_missing_rows(head, tmp_path):
+    n, methods = 8, ["full", "bacon", "rcr"]
+    recs = synthetic_records("detailcaps", n)
+    write_shard(tmp_path / "shards" / "s0.parquet", recs)
+    out = tmp_path / "out"
+    args = _job_args("jobs/detailcaps.py", out, tmp_path / "shards", str(fake_model_dir(tmp_path)), ",".join(methods),
+                     "--engine", "tests.pipeline_helpers:SlowFakeEngine", "--batch-size", "1", "--no-summary")
+    sub = f"stop-job-{uuid.uuid4().hex[:8]}"
+    r = head.ray_cli("job", "submit", "--address", head.address, "--working-dir", str(REPO), "--no-wait",
+                     "--submission-id", sub, "--", "python", *args, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    deadline = time.time() + 300
+    while len(list(out.glob("part-*.parquet"))) < 2:
+        assert time.time() < deadline and head.job_status(sub) in ("PENDING", "RUNNING"), head.job_logs(sub)[-4000:]
+        time.sleep(0.3)
+    head.ray_cli("job", "stop", "--address", head.address, sub, timeout=120)
+    assert head.wait_job(sub, timeout=120) == "STOPPED"
+    first_files = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+    first = pd.read_parquet(out)
+    k = len(first)
+    assert 0 < k < n * len(methods), f"the stop came too late or too early ({k} rows)"
+    assert len(set(_keys(first))) == k
+
+    log = _submit_ok(head, args)  # the same command again
+    assert f"{k} already in the output dir, {n * len(methods) - k} to compute" in log
+    df = pd.read_parquet(out)
+    _assert_exact(df, [r["sample_id"] for r in recs], methods)
+    # the first run's parts are untouched, and the second run's parts hold exactly the missing keys
+    assert {p: out.joinpath(p).stat().st_mtime_ns for p in first_files} == first_files
+    new_parts = [p for p in out.glob("part-*.parquet") if p.name not in first_files]
+    second = pd.concat([pd.read_parquet(p) for p in new_parts])
+    assert set(_keys(second)) == set(_keys(df)) - set(_keys(first))
+    assert len(second) == n * len(methods) - k
+
+
+def test_bad_inputs_become_error_rows(head, real_model, tmp_path):
+    recs, expect = bad_input_records(synthetic_records("detailcaps", 1)[0])
+    write_shard(tmp_path / "shards" / "bad.parquet", recs)
+    out = tmp_path / "out"
+    methods = ["full", "bacon", "rcr"]
+    _submit_ok(head, _job_args("jobs/detailcaps.py", out, tmp_path / "shards", real_model, ",".join(methods),
+                               "--max-new-tokens", "3", "--batch-size", "4", "--no-summary"))
+    df = pd.read_parquet(out)
+    _assert_exact(df, list(expect), methods)
+    for sid, err in expect.items():
+        rows = df[df["sample_id"] == sid]
+        if err is None:
+            assert rows["error"].isna().all(), (sid, rows["error"].tolist())
+            assert (rows["n_steps"] >= 1).all() and rows["output_ids"].map(len).gt(0).all(), sid
+        else:
+            assert rows["error"].notna().all() and rows["error"].str.contains(err, regex=False).all(), (
+                sid, rows["error"].tolist())
+            assert rows["output_text"].isna().all()

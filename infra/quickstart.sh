@@ -38,5 +38,5 @@ args=("$@")
 echo "[quickstart] ray job submit --address $RAY_ADDRESS --working-dir . -- python jobs/detailcaps.py ${args[*]} --mlflow-uri $MLFLOW_TRACKING_URI"
 ray job submit --address "$RAY_ADDRESS" --working-dir . -- \
   python jobs/detailcaps.py "${args[@]}" --mlflow-uri "$MLFLOW_TRACKING_URI"
-echo "[quickstart] done. Query the rows:  python -c \"import pandas as pd; print(pd.read_parquet('$RUNS/detailcaps-embedded'))\""
+echo "[quickstart] done: the job printed the Parquet directory above (pd.read_parquet(<dir>) reads it)."
 echo "[quickstart] MLflow UI: $MLFLOW_TRACKING_URI     stop the local cluster: infra/local_cluster.sh stop"

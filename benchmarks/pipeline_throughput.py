@@ -7,8 +7,10 @@ All three evaluate the same samples with the same model, methods and max_new_tok
    ``map_batches(SampleEvaluator)`` -> atomic Parquet parts, on a private local Ray on 127.0.0.1;
 3. the same with 2 actors.
 
-"end-to-end" includes model loading (and Ray start-up / actor creation for the Ray runs); "steady" counts
-only the samples after the first batch, between the first and the last batch written.
+"end-to-end" includes model loading (and Ray start-up / actor creation for the Ray runs). "steady" leaves
+out each worker's first batch (its warm-up): the samples of the later batches over the time from the
+k-th batch written to the last (k = 1 for the loop and 1 actor, 2 for 2 actors). The machine's load
+average is printed too: on a shared box, other processes change these figures.
 
     python benchmarks/pipeline_throughput.py                      # embedded model, 8 samples, 32 tokens
     python benchmarks/pipeline_throughput.py --n 16 --max-new-tokens 64 --methods full,bacon,rcr
@@ -37,11 +39,18 @@ def _model(arg: str, tmp: Path) -> str:
     return str(tiny_qwen2_vl_dir(tmp))
 
 
+def _steady(times: list[float], sizes: list[int], k: int) -> float:
+    """Samples of batches k.. over the time from batch k-1 to the last (each worker's first batch left out)."""
+    if len(times) <= k or times[-1] <= times[k - 1]:
+        return float("nan")
+    return sum(sizes[k:]) / (times[-1] - times[k - 1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="detailcaps", choices=("detailcaps", "textcaps", "video"))
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--n", type=int, default=8, help="samples")
+    ap.add_argument("--n", type=int, default=12, help="samples")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--methods", default="all")
     ap.add_argument("--batch-size", type=int, default=2)
@@ -66,22 +75,21 @@ def main() -> None:
             progress_every_s=1e9))
 
     results = []
+    load0 = os.getloadavg()
     # 1. bare single-process loop
     c = cfg(1, "bare")
     t0 = time.perf_counter()
     ev = SampleEvaluator(c.to_dict())
     t1 = time.perf_counter()
     rows = 0
-    first_batch_end = None
+    times, sizes = [], []
     for i in range(0, args.n, args.batch_size):
         chunk = records[i:i + args.batch_size]
         rows += ev({k: [r[k] for r in chunk] for k in chunk[0]}).num_rows
-        if first_batch_end is None:
-            first_batch_end = time.perf_counter()
+        times.append(time.perf_counter() - t0)
+        sizes.append(len(chunk))
     t2 = time.perf_counter()
-    first_n = min(args.batch_size, args.n)
-    steady = (args.n - first_n) / (t2 - first_batch_end) if args.n > first_n and t2 > first_batch_end else float("nan")
-    results.append(("bare loop, 1 process", args.n, rows, t2 - t0, args.n / (t2 - t0), steady))
+    results.append(("bare loop, 1 process", args.n, rows, t2 - t0, args.n / (t2 - t0), _steady(times, sizes, 1)))
     print(f"[bench] bare loop: model load {t1 - t0:.1f}s, {args.n} samples in {t2 - t1:.1f}s", flush=True)
     del ev
 
@@ -92,10 +100,7 @@ def main() -> None:
         rep = run(c)
         wall = time.perf_counter() - t0
         assert rep["status"] == "ok" and rep["n_missing"] == 0, rep
-        tw = rep.get("write_times_s") or []
-        steady = float("nan")
-        if len(tw) >= 2 and tw[-1] > tw[0]:
-            steady = (args.n - rep["first_write_samples"]) / (tw[-1] - tw[0])
+        steady = _steady(rep.get("write_times_s") or [], rep.get("write_samples") or [], n_actors)
         results.append((f"ray job, {n_actors} actor{'s' if n_actors > 1 else ''}", args.n, rep["n_written"], wall,
                         args.n / wall, steady))
 
@@ -105,7 +110,8 @@ def main() -> None:
     print(f"pipeline throughput: task={args.task} model={args.model if model == args.model else 'tiny random Qwen2-VL'} "
           f"methods={','.join(cfg(1, 'x').methods)} max_new_tokens={args.max_new_tokens} batch_size={args.batch_size} "
           f"samples={args.n}; {os.cpu_count()} CPU cores, "
-          f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}")
+          f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
+          f"load average at start {load0[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
     print(f"{'mode':<24}{'samples':>8}{'rows':>7}{'wall s':>9}{'samples/s end-to-end':>22}{'samples/s steady':>18}")
     for name, n, r, wall, e2e, st in results:
         print(f"{name:<24}{n:>8}{r:>7}{wall:>9.1f}{e2e:>22.3f}{st:>18.3f}")

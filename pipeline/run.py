@@ -124,13 +124,13 @@ def _ray_init(cfg: JobConfig):
     elif os.environ.get("RAY_ADDRESS"):  # inside `ray job submit`: the job's cluster
         ray.init(log_to_driver=True)
     else:  # a plain `python jobs/x.py`: a private in-process cluster on 127.0.0.1
-        if "RAY_AUTH_MODE" not in os.environ:
-            # token auth with a token private to this process tree; without this, ray.init() would write
-            # ~/.ray/auth_token, which silently switches every later `ray start` on the machine to token mode
+        if "RAY_AUTH_MODE" not in os.environ and not os.environ.get("RAY_AUTH_TOKEN"):
+            # Ray >= 2.52 turns token auth on for a new local cluster and, without a token, writes one to
+            # ~/.ray/auth_token, which silently switches every later `ray start` on the machine to token mode.
+            # A token private to this process tree (workers inherit the environment) avoids that.
             import secrets
 
-            os.environ["RAY_AUTH_MODE"] = "token"
-            os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                      p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}})
@@ -248,6 +248,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     seq = 0
     write_times: list[float] = []  # seconds since the start of the run, one per part written
     first_write_samples = 0
+    write_samples: list[int] = []  # distinct samples per part written
 
     def write(table: pa.Table) -> None:
         nonlocal seq, first_write_samples
@@ -266,6 +267,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             store.write_part(table, run_id, seq)
             seq += 1
             write_times.append(time.perf_counter() - t_start)
+            write_samples.append(len(set(table.column("sample_id").to_pylist())))
             if seq == 1:
                 first_write_samples = len(set(table.column("sample_id").to_pylist()))
             progress.update(table)
@@ -313,7 +315,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     report = {"run_id": run_id, "status": status, "output_dir": cfg.output_dir, "mlflow_uri": cfg.mlflow_uri,
               "n_pairs": plan.n_pairs, "n_existing": plan.n_existing, "n_written": len(written),
               "n_missing": len(missing), "error": error, "write_times_s": write_times,
-              "first_write_samples": first_write_samples}
+              "write_samples": write_samples, "first_write_samples": first_write_samples}
     if cfg.summary:
         report.update(summarize(cfg, store))
     say(f"Parquet: {cfg.output_dir}  (pandas: pd.read_parquet({cfg.output_dir!r}))")

@@ -32,8 +32,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import rcr  # noqa: E402
-from rcr.models import PROMPTS, build_inputs, geometry  # noqa: E402
+import rcr
+from rcr.models import PROMPTS, build_inputs, geometry
 
 METHODS = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen"]
 OFFLOAD = ["fixed", "rcr", "rcr_layer"]
@@ -52,7 +52,7 @@ def load_model(args):
                 from PIL import Image
 
                 return Image.fromarray(render("detailcaps", args.seed, i)[0][0])
-        except Exception:
+        except ImportError:
             from rcr.calibrate_infinigen import synthetic_scene
 
             def image(i):
@@ -103,10 +103,10 @@ def main(argv=None) -> int:
     geo = geometry(model)
     calib = args.infinigen_calibration
     if calib is None and not args.per_sample_calibration:  # offline, on prompts that are not evaluated
+        import tempfile
+
         from rcr.calibrate_infinigen import calibrate
         from rcr.methods.infinigen import save_calibration
-
-        import tempfile
 
         base = os.path.dirname(os.path.abspath(args.json)) if args.json else tempfile.mkdtemp(prefix="rcr-bench-")
         calib = os.path.join(base, "infinigen_calibration")

@@ -24,7 +24,12 @@ import numpy as np
 import torch
 
 from .attention import rcr_attention_enabled
-from .methods.infinigen import (check_orthogonal, partial_columns, save_calibration, skew_from_grams)
+from .methods.infinigen import (
+    check_orthogonal,
+    partial_columns,
+    save_calibration,
+    skew_from_grams,
+)
 from .models import PROMPTS, adapter_for, build_inputs, geometry
 
 
@@ -107,8 +112,8 @@ def _git_commit() -> str | None:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except Exception:
+                              timeout=10, check=False).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
         return None
 
 

@@ -4,24 +4,31 @@ selections, InfiniGen's skew and speculation, per-layer thresholds, and no host 
 
 import numpy as np
 import pytest
+import tiny_models
 import torch
+from test_rcr_core import forbid_host_sync
 
 import rcr
-import tiny_models
 from rcr.cache import PrefixStore
 from rcr.methods import parse_method
 from rcr.methods.arkvale import cuboid_mean_digest
-from rcr.methods.infinigen import (InfiniGen, check_orthogonal, load_calibration, partial_columns, project_query,
-                                   save_calibration, skew_from_grams)
+from rcr.methods.infinigen import (
+    InfiniGen,
+    check_orthogonal,
+    load_calibration,
+    partial_columns,
+    project_query,
+    save_calibration,
+    skew_from_grams,
+)
 from rcr.methods.quest import PageLayout, bound_scores, page_bounds, select_pages
-from test_rcr_core import forbid_host_sync
 
 SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3, page_size=4)
 
 
 def fake_store(valid: torch.Tensor, window: int) -> PrefixStore:
     """A store with only the geometry the page layout reads."""
-    B, N = valid.shape
+    B = valid.shape[0]
     return PrefixStore(layers=[], valid=valid, next_position=torch.zeros(B, dtype=torch.long),
                        first_logits=torch.zeros(B, 1), window=window, scaling=1.0, n_kv_heads=1, n_q_heads=1,
                        head_dim=1)
@@ -206,7 +213,7 @@ def test_infinigen_calibration_file_round_trip_and_use(qwen, tmp_path):
     skews, cols, stats = calibrate(model, data, 0.25)
     assert stats["partial_columns"] == 8 and len(skews) == len(cols) == 3
     save_calibration(str(tmp_path), skews, cols, {"command": "test"})
-    s2, c2, meta = load_calibration(str(tmp_path))
+    s2, _, meta = load_calibration(str(tmp_path))
     assert meta["command"] == "test" and all(torch.equal(a, b) for a, b in zip(skews, s2))
     # q.k invariance on the model's real post-RoPE prefix keys and window queries
     prefix = rcr.prefill(model, inputs, SMALL)
@@ -290,7 +297,8 @@ def test_calibrate_infinigen_cli_records_its_command(tmp_path):
     proc.save_pretrained(tmp_path / "model")
     argv = ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "cal"), "--n", "2", "--image-size", "112"]
     assert main(argv) == 0
-    meta = json.load(open(tmp_path / "cal" / "calibration.json"))
+    with open(tmp_path / "cal" / "calibration.json") as f:
+        meta = json.load(f)
     assert meta["command"].startswith("python -m rcr.calibrate_infinigen --model ")
     assert meta["n_prompts"] == 2 and meta["partial_columns"] == 8 and "synthetic_scenes" in meta["source"]
     skews, cols, _ = load_calibration(str(tmp_path / "cal"))

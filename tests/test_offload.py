@@ -3,10 +3,10 @@ On CPU the outputs must equal resident (GPU-only) mode token for token."""
 
 import numpy as np
 import pytest
+import tiny_models
 import torch
 
 import rcr
-import tiny_models
 from rcr.methods import parse_method
 from rcr.offload import HostReader
 
@@ -31,7 +31,7 @@ def test_offload_and_resident_modes_give_identical_outputs(qwen, signal):
     off = rcr.generate(model, inputs, method=OFFLOAD_METHODS, max_new_tokens=14, config=cfg.replace(offload=True),
                        ignore_eos=True)
     d, elt = 32, 4  # head dim, fp32
-    L, H = 3, 2
+    H = 2  # KV heads
     for m in OFFLOAD_METHODS:
         a, b = res[m], off[m]
         assert b.offload and not a.offload

@@ -36,7 +36,7 @@ from .quest import PageLayout, bound_scores, n_pages_kept, page_bounds, select_p
 
 def cuboid_mean_digest(keys: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """ArkVale's cuboid-mean page digest: keys (B, H, Np, d) -> (b_max, b_min), each (B, H, P, d) fp32."""
-    B, H, Np, d = keys.shape
+    B, H, _, d = keys.shape
     P = layout.n_pages
     hi, lo = page_bounds(keys, layout)
     c = (hi + lo) / 2

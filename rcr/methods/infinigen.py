@@ -118,7 +118,10 @@ def load_calibration(path: str) -> tuple[list[torch.Tensor], list[torch.Tensor],
     for i, a in enumerate(skews):
         check_orthogonal(a, f"skew matrix of layer {i} in {f}")
     meta_f = os.path.join(path, CALIBRATION_META)
-    meta = json.load(open(meta_f)) if os.path.isfile(meta_f) else {}
+    meta = {}
+    if os.path.isfile(meta_f):
+        with open(meta_f) as fh:
+            meta = json.load(fh)
     return skews, cols, meta
 
 

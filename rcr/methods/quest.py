@@ -27,7 +27,6 @@ from ..cache import PrefixStore
 from ..scoring import NEG_INF, group_queries, top_sorted
 from .base import Decision, Method, StepContext
 
-
 # ------------------------------------------------------------------------------------------ page helpers
 # Shapes: B batch, H KV heads, G query heads per KV head, Np prefix entries, P pages, d head dim.
 
@@ -42,7 +41,7 @@ class PageLayout:
     page_len: torch.Tensor  # (B, P) long, valid entries per page (0: the sample has no such page)
 
     @classmethod
-    def build(cls, prefix: PrefixStore, page_size: int) -> "PageLayout":
+    def build(cls, prefix: PrefixStore, page_size: int) -> PageLayout:
         Np, dev = prefix.n_prefix, prefix.valid.device
         pad = prefix.pad.view(-1, 1)  # (B, 1), device
         rel = torch.arange(Np, device=dev).view(1, -1) - pad  # position in the sample's own coordinates
@@ -66,7 +65,7 @@ class PageLayout:
 def page_bounds(keys: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Quest's channel-wise key bounds per page: keys (B, H, Np, d) -> (M, m), each (B, H, P, d) fp32.
     Entries at left padding go to a dummy page and never shape a real page's bounds; empty pages get 0."""
-    B, H, Np, d = keys.shape
+    B, H, _, d = keys.shape
     P, idx, k = layout.n_pages, layout.index(H, d), keys.float()
     hi = k.new_full((B, H, P + 1, d), NEG_INF).scatter_reduce(2, idx, k, "amax", include_self=True)[:, :, :P]
     lo = k.new_full((B, H, P + 1, d), float("inf")).scatter_reduce(2, idx, k, "amin", include_self=True)[:, :, :P]

@@ -392,7 +392,21 @@ def main(argv=None):
         _atomic_torch_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                             "elapsed": elapsed_before + time.time() - t_start, "args": vars(args)}, ckpt_path)
 
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):  # SIGTERM/SIGINT: finish the step, checkpoint, exit; rerun to resume
+        stop["signal"] = signum
+
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
     while step < args.steps:
+        if stop["signal"] is not None:
+            checkpoint()
+            print(f"signal {stop['signal']}: checkpointed at step {step}; run the same command to resume", flush=True)
+            return
         if args.stop_after is not None and step - start_step >= args.stop_after:
             checkpoint()
             print(f"--stop-after {args.stop_after}: checkpointed at step {step}", flush=True)

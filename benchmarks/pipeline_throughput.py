@@ -76,8 +76,12 @@ def main() -> None:
 
     results = []
     load0 = os.getloadavg()
-    # 1. bare single-process loop
+    # 1. bare single-process loop, with the torch threads a 1-actor job would use
+    from pipeline.run import actor_resources
+
     c = cfg(1, "bare")
+    threads = actor_resources(c, {"CPU": float(os.cpu_count() or 1)})["torch_threads"]
+    c.torch_threads = threads
     t0 = time.perf_counter()
     ev = SampleEvaluator(c.to_dict())
     t1 = time.perf_counter()
@@ -112,6 +116,7 @@ def main() -> None:
           f"samples={args.n}; {os.cpu_count()} CPU cores, "
           f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
           f"load average at start {load0[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
+    print(f"torch threads per process/actor: {threads}")
     print(f"{'mode':<24}{'samples':>8}{'rows':>7}{'wall s':>9}{'samples/s end-to-end':>22}{'samples/s steady':>18}")
     for name, n, r, wall, e2e, st in results:
         print(f"{name:<24}{n:>8}{r:>7}{wall:>9.1f}{e2e:>22.3f}{st:>18.3f}")

@@ -161,7 +161,11 @@ def actor_resources(cfg: JobConfig, cluster: dict[str, float]) -> dict[str, floa
     elif n_gpu > 0:
         threads = 4
     else:
-        threads = max(1, int(cpus // cfg.num_actors))
+        # One thread per CPU actor. Decoding a small model is a long chain of tiny ops, and with 2+ OpenMP
+        # threads each op ends in a barrier: measured on 2 shared cores, a 2-sample batch of every method
+        # took 1-2 s with 1 thread and ~140 s with 2 (other processes held the cores; the barrier waits on
+        # a descheduled thread). Big models on big CPU nodes: pass --torch-threads.
+        threads = 1
     return {"num_gpus": float(n_gpu), "num_cpus": float(round(n_cpu, 3)), "torch_threads": int(threads)}
 
 

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet  # noqa: F401 (pa.parquet)
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -76,3 +77,24 @@ def test_model_error_isolated_to_its_sample(evaluator):
     assert bad["error"].str.contains("model error: RuntimeError: fake engine crash").all()
     assert t[t["sample_id"] != recs[1]["sample_id"]]["error"].isna().all()
     assert len(t) == 9
+
+
+def test_video_frames_reach_the_engine_as_one_sample(evaluator):
+    recs = synthetic_records("video", 2)
+    t = evaluator(_columns(recs)).to_pandas()
+    assert len(t) == 2 * len(METHODS) and t["error"].isna().all()
+    assert set(t["task"]) == {"video"}
+
+
+def test_embedded_shards_are_generated_once(tmp_path, monkeypatch):
+    from pipeline import data, run
+
+    monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path))
+    monkeypatch.setitem(data.EMBEDDED_SIZES, "textcaps", 3)
+    monkeypatch.setattr(run, "REPO_ROOT", tmp_path / "no-repo")  # no shipped shards
+    (d,) = run.embedded_shards("textcaps")
+    files = sorted(Path(d).glob("*.parquet"))
+    assert files and sum(pa.parquet.read_metadata(f).num_rows for f in files) == 3
+    mtimes = [f.stat().st_mtime_ns for f in files]
+    assert run.embedded_shards("textcaps") == [d]
+    assert [f.stat().st_mtime_ns for f in files] == mtimes

@@ -72,3 +72,12 @@ def test_config_hash_ignores_batching_and_paths():
     b = JobConfig.from_args(["--batch-size", "8", "--num-actors", "2"], task="detailcaps")
     c = JobConfig.from_args(["--max-new-tokens", "100"], task="detailcaps")
     assert a.config_hash == b.config_hash != c.config_hash
+
+
+def test_all_methods_expands_to_the_core_registry():
+    from pipeline.config import available_methods
+
+    cfg = JobConfig.from_args(["--methods", "all,fixed@0.05"], task="detailcaps")
+    assert cfg.methods == [*available_methods(), "fixed@0.05"]
+    assert cfg.methods[0] == "full" and {"bacon", "rcr", "exact", "fixed", "prefill_oracle"} <= set(cfg.methods)
+    assert JobConfig.from_args([], task="video").methods == cfg.methods[:-1]

@@ -11,7 +11,8 @@
 # $STATE/auth_token (mode 600). `stop` never calls `ray stop`, which would stop every Ray on the machine.
 #
 # Settings (environment): RCR_RUNS_DIR (default ~/rcr-runs), RCR_RAY_PORT (6379), RCR_DASHBOARD_PORT (8265),
-# RCR_MLFLOW_PORT (5000), RCR_NUM_CPUS / RCR_NUM_GPUS (default: detected), RCR_NO_MLFLOW=1 (Ray only).
+# RCR_MLFLOW_PORT (5000), RCR_NUM_CPUS / RCR_NUM_GPUS (default: detected), RCR_NO_MLFLOW=1 (Ray only),
+# RCR_RAY_TMP (Ray's temp dir, default /tmp/rcr-ray-<uid>).
 set -euo pipefail
 
 RUNS="${RCR_RUNS_DIR:-$HOME/rcr-runs}"
@@ -21,7 +22,7 @@ DASH_PORT="${RCR_DASHBOARD_PORT:-8265}"
 MLFLOW_PORT="${RCR_MLFLOW_PORT:-5000}"
 HOST=127.0.0.1
 PY="${PYTHON:-python}"
-RAY_TMP="/tmp/rcr-ray-$(id -u)"   # short: Ray's unix socket paths must stay under 108 bytes
+RAY_TMP="${RCR_RAY_TMP:-/tmp/rcr-ray-$(id -u)}"   # short: Ray's unix socket paths must stay under 108 bytes
 
 say() { echo "[local-cluster] $*"; }
 

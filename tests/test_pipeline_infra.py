@@ -98,31 +98,54 @@ def test_wrong_shard_schema_fails_before_model_work(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(600)
-def test_local_cluster_script_start_submit_stop(tmp_path):
-    env = dict(os.environ, RCR_RUNS_DIR=str(tmp_path / "runs"), RCR_RAY_PORT=str(free_port()),
-               RCR_DASHBOARD_PORT=str(free_port()), RCR_MLFLOW_PORT=str(free_port()), RCR_NUM_CPUS="1",
+@pytest.mark.timeout(900)
+def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
+    """infra/quickstart.sh (install skipped: this venv) starts Ray + MLflow on 127.0.0.1 via
+    infra/local_cluster.sh, submits jobs/detailcaps.py with `ray job submit`, and the job ends with the
+    per-method summary and the locations; then `local_cluster.sh stop` stops exactly what it started."""
+    from pipeline_helpers import core_ready, fake_model_dir, tiny_qwen2_vl_dir
+
+    runs = tmp_path / "runs"
+    env = dict(os.environ, RCR_RUNS_DIR=str(runs), RCR_RAY_PORT=str(free_port()), RCR_SKIP_INSTALL="1",
+               RCR_DASHBOARD_PORT=str(free_port()), RCR_MLFLOW_PORT=str(free_port()), RCR_NUM_CPUS="2",
+               RCR_RAY_TMP=f"/tmp/rcrq{os.getpid()}_{free_port()}",
                PATH=f"{Path(PY).parent}:{os.environ.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
+    shards = write_shard(tmp_path / "shards" / "s.parquet", synthetic_records("detailcaps", 2))
+    if core_ready():
+        model, extra = str(tiny_qwen2_vl_dir(tmp_path)), []
+    else:
+        model, extra = str(fake_model_dir(tmp_path)), ["--engine", "tests.pipeline_helpers:FakeEngine"]
+    out = runs / "quick"
+    state = runs / "local-cluster"
     script = str(REPO / "infra" / "local_cluster.sh")
-    state = tmp_path / "runs" / "local-cluster"
+    pids = []
     try:
-        r = subprocess.run(["bash", script, "start"], env=env, capture_output=True, text=True, timeout=400)
-        assert r.returncode == 0, r.stdout + r.stderr
-        pids = [int((state / f).read_text()) for f in ("ray.pid", "mlflow.pid")]
-        envfile = (state / "env").read_text()
-        assert "RAY_AUTH_MODE=token" in envfile and f"127.0.0.1:{env['RCR_DASHBOARD_PORT']}" in envfile
-        wd = tmp_path / "wd"
-        wd.mkdir()
-        (wd / "hello.py").write_text("import ray; ray.init(); print('cpus', ray.cluster_resources()['CPU'])\n")
-        r = subprocess.run(["bash", "-c", f"source {state / 'env'} && ray job submit --working-dir {wd} -- python hello.py"
-                            f" && curl -sf $MLFLOW_TRACKING_URI/health || python -c \"import urllib.request,os;"
-                            f"print(urllib.request.urlopen(os.environ['MLFLOW_TRACKING_URI']+'/health').read())\""],
-                           env=env, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and "cpus 1.0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+        r = subprocess.run(["bash", str(REPO / "infra" / "quickstart.sh"), "--model", model, "--shards", str(shards),
+                            "--methods", "full,bacon,rcr", "--max-new-tokens", "3", "--output-dir", str(out), *extra],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=800)
+        pids = [int((state / f).read_text()) for f in ("ray.pid", "mlflow.pid") if (state / f).is_file()]
+        log = r.stdout + r.stderr
+        assert r.returncode == 0, log[-6000:]
+        assert "RAY_AUTH_MODE=token" in (state / "env").read_text()
+        assert "ray job submit" in log and "[rcr-job] progress:" in log and "fidelity" in log
+        assert f"Parquet: {out}" in log and f"MLflow runs: http://127.0.0.1:{env['RCR_MLFLOW_PORT']}" in log
+        import pandas as pd
+
+        df = pd.read_parquet(out)
+        assert len(df) == 2 * 3 and df["error"].isna().all()
     finally:
         r = subprocess.run(["bash", script, "stop"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     time.sleep(1)
+    assert pids, "local_cluster.sh wrote no pid files"
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    left = []  # nothing of that cluster survives (its processes all name its private temp dir)
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and env["RCR_RAY_TMP"].encode() in (p / "cmdline").read_bytes():
+                left.append(int(p.name))
+        except OSError:
+            pass
+    assert not left, f"processes of the stopped cluster still run: {left}"

@@ -68,11 +68,11 @@ def main() -> None:
     write_shards(records, shards, shard_size=max(1, args.n))
 
     def cfg(n_actors: int, name: str) -> JobConfig:
-        return JobConfig.from_dict(dict(
-            task=args.task, model=model, shards=[str(shards)], methods=args.methods.split(","),
-            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, num_actors=n_actors,
-            output_dir=str(tmp / name), mlflow_uri=f"sqlite:///{tmp / 'mlflow.db'}", summary=False,
-            progress_every_s=1e9))
+        return JobConfig.from_dict({
+            "task": args.task, "model": model, "shards": [str(shards)], "methods": args.methods.split(","),
+            "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "num_actors": n_actors,
+            "output_dir": str(tmp / name), "mlflow_uri": f"sqlite:///{tmp / 'mlflow.db'}", "summary": False,
+            "progress_every_s": 1e9})
 
     results = []
     load0 = os.getloadavg()

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.run import main  # noqa: E402
+from pipeline.run import main
 
 if __name__ == "__main__":
     sys.exit(main("video"))

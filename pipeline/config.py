@@ -94,7 +94,7 @@ class JobConfig:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, validate: bool = True) -> "JobConfig":
+    def from_dict(cls, data: dict[str, Any], *, validate: bool = True) -> JobConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         for key in data:
             if key not in names:
@@ -106,7 +106,7 @@ class JobConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: dict[str, Any] | None = None,
-                  *, validate: bool = True) -> "JobConfig":
+                  *, validate: bool = True) -> JobConfig:
         import yaml
 
         p = Path(path).expanduser()
@@ -119,7 +119,7 @@ class JobConfig:
         return cls.from_dict(data, validate=validate)
 
     @classmethod
-    def from_args(cls, argv: list[str] | None = None, *, task: str | None = None) -> "JobConfig":
+    def from_args(cls, argv: list[str] | None = None, *, task: str | None = None) -> JobConfig:
         """Parse flags (and ``--config file.yaml``); ``task`` is the entry point's fixed task."""
         parser = build_arg_parser(task)
         ns = parser.parse_args(argv)
@@ -151,7 +151,7 @@ class JobConfig:
 
     # ------------------------------------------------------------------ validation
 
-    def validate(self) -> "JobConfig":
+    def validate(self) -> JobConfig:
         """Check every field; fill the task-dependent defaults. Raises :class:`ConfigError`."""
         if self.task not in TASKS:
             raise ConfigError("task", f"unknown task '{self.task}'; choose one of {', '.join(TASKS)}")

@@ -30,9 +30,23 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.actor import METHODS_COLUMN, SampleEvaluator, error_rows
-from pipeline.config import EMBEDDED, EMBEDDED_MODEL_DIR, REPO_ROOT, ConfigError, JobConfig
-from pipeline.io import (OutputStore, Plan, fingerprint_row, make_plan, new_run_id, read_rows, resolve_shards,
-                         scan_shards)
+from pipeline.config import (
+    EMBEDDED,
+    EMBEDDED_MODEL_DIR,
+    REPO_ROOT,
+    ConfigError,
+    JobConfig,
+)
+from pipeline.io import (
+    OutputStore,
+    Plan,
+    fingerprint_row,
+    make_plan,
+    new_run_id,
+    read_rows,
+    resolve_shards,
+    scan_shards,
+)
 
 READER_CPUS = 0.25  # read/select tasks are light; small CPU requests keep them schedulable beside the actors
 DATA_RESERVE_CPUS = 1.0  # Ray Data's file-listing task asks for 1 CPU; CPU-only actors leave room for it
@@ -332,7 +346,6 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
 def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     """The per-method summary of the whole output dir (this run and earlier ones), and MLflow logging."""
-    import pandas as pd
 
     table = store.read()
     if table is None:

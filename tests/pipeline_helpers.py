@@ -231,7 +231,7 @@ class LocalRayHead:
         env.pop("RAY_AUTH_TOKEN_PATH", None)
         return env
 
-    def start(self, timeout: float = 180) -> "LocalRayHead":
+    def start(self, timeout: float = 180) -> LocalRayHead:
         ports = [free_port() for _ in range(8)]
         lo = free_port() + 1000 if free_port() < 50000 else 20000
         cmd = [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
@@ -246,8 +246,9 @@ class LocalRayHead:
                "--object-store-memory", str(400 * 2**20), "--disable-usage-stats"]
         env = self.env()
         env.pop("RAY_ADDRESS")
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=str(self.tmp))
+        with open(self.log, "w") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, cwd=str(self.tmp))
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -279,7 +280,7 @@ class LocalRayHead:
             cmd += ["--runtime-env-json", json.dumps(runtime_env)]
         cmd += ["--", "python", *args]
         if wait:
-            return subprocess.run(cmd, cwd=cwd, env=self.env(), capture_output=True, text=True, timeout=timeout)
+            return subprocess.run(cmd, check=False, cwd=cwd, env=self.env(), capture_output=True, text=True, timeout=timeout)
         return subprocess.Popen(cmd, cwd=cwd, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
 
@@ -311,7 +312,7 @@ class LocalRayHead:
         return [a["pid"] for a in json.loads(r.stdout) if class_fragment in (a.get("class_name") or "")]
 
     def ray_cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([RAY, *args], env=self.env(), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([RAY, *args], check=False, env=self.env(), capture_output=True, text=True, timeout=timeout)
 
     def own_pids(self) -> list[int]:
         """Processes whose command line names this head's private temp dir or GCS port (its raylet, workers...)."""

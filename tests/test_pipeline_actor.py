@@ -4,24 +4,24 @@ import sys
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet  # noqa: F401 (pa.parquet)
+import pyarrow.parquet
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_helpers import bad_input_records, fake_model_dir, synthetic_records  # noqa: E402
+from pipeline_helpers import bad_input_records, fake_model_dir, synthetic_records
 
-from pipeline.actor import METHODS_COLUMN, SampleEvaluator  # noqa: E402
-from pipeline.config import JobConfig  # noqa: E402
-from pipeline.schema import OUTPUT_SCHEMA, validate_output_table  # noqa: E402
+from pipeline.actor import METHODS_COLUMN, SampleEvaluator
+from pipeline.config import JobConfig
+from pipeline.schema import OUTPUT_SCHEMA, validate_output_table
 
 METHODS = ["full", "bacon", "rcr"]
 
 
 @pytest.fixture
 def evaluator(tmp_path):
-    cfg = JobConfig.from_dict(dict(task="detailcaps", model=str(fake_model_dir(tmp_path)), methods=METHODS,
-                                   max_new_tokens=8, batch_size=3, engine="tests.pipeline_helpers:FakeEngine",
-                                   output_dir=str(tmp_path / "out")))
+    cfg = JobConfig.from_dict({"task": "detailcaps", "model": str(fake_model_dir(tmp_path)), "methods": METHODS,
+                                   "max_new_tokens": 8, "batch_size": 3, "engine": "tests.pipeline_helpers:FakeEngine",
+                                   "output_dir": str(tmp_path / "out")})
     return SampleEvaluator(cfg.to_dict())
 
 

@@ -8,11 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_helpers import synthetic_records, write_shard  # noqa: E402
+from pipeline_helpers import synthetic_records, write_shard
 
-from pipeline.config import ConfigError  # noqa: E402
-from pipeline.io import OutputStore, make_plan, resolve_shards, scan_shards  # noqa: E402
-from pipeline.schema import output_table  # noqa: E402
+from pipeline.config import ConfigError
+from pipeline.io import OutputStore, make_plan, resolve_shards, scan_shards
+from pipeline.schema import output_table
 
 
 def _rows(keys, h="abc"):

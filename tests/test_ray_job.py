@@ -22,8 +22,16 @@ import pandas as pd
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_helpers import (REPO, LocalRayHead, bad_input_records, core_ready, fake_model_dir,  # noqa: E402
-                              synthetic_records, tiny_qwen2_vl_dir, write_shard)
+from pipeline_helpers import (
+    REPO,
+    LocalRayHead,
+    bad_input_records,
+    core_ready,
+    fake_model_dir,
+    synthetic_records,
+    tiny_qwen2_vl_dir,
+    write_shard,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 

@@ -316,27 +316,27 @@ def validate_model(model: Any) -> None:
                                "hub id (Qwen/Qwen2-VL-*, llava-hf/llava-v1.6-*, Qwen/Qwen3-VL-*) or 'embedded'")
 
 
+# Pipeline defaults that differ from the library's: `full` rows record the most-attended prefix position, so
+# the attention-stability analysis has its input (costs one exact prefix scan per layer-step of `full` only).
+RCR_PIPELINE_DEFAULTS = {"record_attention": True}
+
+
 def validate_rcr(values: Any) -> dict[str, Any]:
+    """Validate the `rcr` mapping with rcr.RCRConfig (errors name `rcr.<field>`); returns every field."""
+    import rcr
+
     if values is None:
-        return {}
+        values = {}
     if not isinstance(values, dict):
         raise ConfigError("rcr", f"must be a mapping of RCRConfig fields, got {values!r}")
-    try:
-        import rcr
-    except ImportError:
-        return dict(values)
-    cls = getattr(rcr, "RCRConfig", None)
-    if cls is None:
-        return dict(values)
-    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else None
+    names = {f.name for f in dataclasses.fields(rcr.RCRConfig)}
     for k in values:
-        if names is not None and k not in names:
+        if k not in names:
             raise ConfigError(f"rcr.{k}", f"unknown RCRConfig field; known: {', '.join(sorted(names))}")
     try:
-        cfg = cls(**values)
+        return rcr.RCRConfig(**{**RCR_PIPELINE_DEFAULTS, **values}).to_dict()
     except (TypeError, ValueError) as e:
         raise ConfigError("rcr", str(e)) from None
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(values)
 
 
 def model_slug(model: str) -> str:

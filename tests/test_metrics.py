@@ -1,5 +1,5 @@
 """Statistics: fidelity tokenizer, CIDEr, paired bootstrap (coverage, zero variance, scipy agreement),
-analyses over fabricated output rows, summary table, and the pandas queries in docs/results.md."""
+analyses over fabricated output rows, summary table, and the README's pandas queries."""
 from __future__ import annotations
 
 import re
@@ -273,10 +273,12 @@ def test_column_names_match_output_schema():
 
 
 def test_docs_pandas_queries_run(tmp_path, frame):
-    """The three pandas queries in docs/results.md run on a Parquet output directory."""
+    """The README's pandas queries run on a Parquet output directory."""
     out = tmp_path / "out"
     write_output_dir(frame, out)
-    doc = (ROOT / "docs" / "results.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("### Query the Parquet output with pandas")
+    doc = readme[start:readme.index("\n## ", start)]
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
     assert len(blocks) >= 3
     ns = {"OUT": str(out)}

@@ -333,6 +333,8 @@ def main(argv=None):
     ap.add_argument("--threads", default="auto",
                     help="torch CPU threads; 'auto' (CPU only) uses all cores while the machine is otherwise idle and "
                          "1 thread while other processes load it (a 2-thread step waits on its slowest thread)")
+    ap.add_argument("--init-from", default=None,
+                    help="start from the weights of a saved model dir (same tokenizer), e.g. a previous phase")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint in --run-dir")
     args = ap.parse_args(argv)
 
@@ -355,6 +357,15 @@ def main(argv=None):
     tok = build_tokenizer()
     processor = build_processor(tok)
     model = build_model(tok, args.size, seed=args.seed).to(device)
+    if args.init_from:
+        from transformers import Qwen2VLForConditionalGeneration
+
+        sd = Qwen2VLForConditionalGeneration.from_pretrained(args.init_from).state_dict()
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise SystemExit(f"--init-from {args.init_from}: weights do not fit (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+        print(f"initialised from {args.init_from}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     builder = BatchBuilder(processor)
 

@@ -66,6 +66,12 @@ VIDEO_POSITIONS = (
 )
 QUADRANTS = ("the top left", "the top right", "the bottom left", "the bottom right")
 
+# Object radii (px) on the 336 px image, where a merged visual token covers 28x28 px. Objects this small
+# fit in 1-4 tokens, so each token the decoder attends to shows the object's outline: with radii 34/21
+# (2-3 tokens across) the tiny model learned colour, texture and size but never shape.
+BIG_RADIUS = 22.0
+SMALL_RADIUS = 13.0
+
 DETAIL_MIN_OBJECTS = 8
 DETAIL_MAX_OBJECTS = 10
 
@@ -196,7 +202,7 @@ def _render_grid(rng: np.random.Generator, cells: dict[int, SceneObject]) -> np.
         jx, jy = rng.integers(-4, 5, size=2)
         cx = c * CELL + CELL // 2 + int(jx)
         cy = r * CELL + CELL // 2 + int(jy)
-        radius = 34.0 if obj.size == "big" else 21.0
+        radius = BIG_RADIUS if obj.size == "big" else SMALL_RADIUS
         _paint(img, cx, cy, obj, radius, phase=int(rng.integers(8)))
     return img
 

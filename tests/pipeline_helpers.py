@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -190,9 +191,53 @@ def core_ready() -> bool:
 
 
 def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports the OS hands out as free now (from its ephemeral range).
+
+    All sockets stay bound until every port is picked, so the same port is never returned twice."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def worker_port_block(size: int, rng: random.Random) -> int:
+    """First port of ``size`` consecutive free ports *below* the OS ephemeral range.
+
+    Ray refuses to start when its worker-port range contains a port given to another component, and the
+    other components' ports come from the ephemeral range (``free_ports``), so a block below it can never
+    collide with them."""
+    try:
+        eph_lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        eph_lo = 32768
+    for _ in range(50):
+        lo = rng.randrange(10000, max(10001, eph_lo - size))
+        if all(_bindable(p) for p in range(lo, lo + size)):
+            return lo
+    raise RuntimeError(f"no {size} consecutive free ports below {eph_lo}")
+
+
+class _PortClash(RuntimeError):
+    """``ray start`` exited at once and its log mentions a port."""
 
 
 class LocalRayHead:
@@ -210,9 +255,7 @@ class LocalRayHead:
         self.temp_dir = Path("/tmp") / f"rcrt{os.getpid()}_{free_port()}"
         self.num_cpus = num_cpus
         self.proc: subprocess.Popen | None = None
-        self.gcs_port = free_port()
-        self.dashboard_port = free_port()
-        self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.gcs_port, self.dashboard_port = free_ports(2)  # re-picked by start() on a port clash
         self.log = self.tmp / "ray-head.log"
         import secrets
 
@@ -231,9 +274,27 @@ class LocalRayHead:
         env.pop("RAY_AUTH_TOKEN_PATH", None)
         return env
 
-    def start(self, timeout: float = 180) -> LocalRayHead:
-        ports = [free_port() for _ in range(8)]
-        lo = free_port() + 1000 if free_port() < 50000 else 20000
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start(self, timeout: float = 180, attempts: int = 3) -> LocalRayHead:
+        """Start the head; a port taken between picking and binding (another process on the machine)
+        makes ``ray start`` exit at once, and is retried with fresh ports."""
+        rng = random.Random()
+        for attempt in range(attempts):
+            if attempt:
+                self.gcs_port, self.dashboard_port = free_ports(2)
+            try:
+                return self._start_once(timeout, rng)
+            except _PortClash:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float, rng: random.Random) -> LocalRayHead:
+        ports = free_ports(7)
+        lo = worker_port_block(401, rng)
         cmd = [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                "--port", str(self.gcs_port), "--dashboard-host", "127.0.0.1",
                "--dashboard-port", str(self.dashboard_port), "--include-dashboard", "true",
@@ -252,7 +313,9 @@ class LocalRayHead:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+                text = self.log.read_text()
+                kind = _PortClash if re.search(r"port|address already in use", text, re.I) else RuntimeError
+                raise kind(f"ray start exited {self.proc.returncode}:\n{text[-3000:]}")
             if self._dashboard_answers() and self.ray_cli("job", "list", "--address", self.address,
                                                           timeout=60).returncode == 0:
                 return self

@@ -244,11 +244,9 @@ def _as_list(name: str, value: Any) -> list[str]:
 
 
 def available_methods() -> list[str]:
-    """The methods the installed core provides, in the paper's order."""
-    try:
-        from rcr.methods import METHODS
-    except ImportError:
-        return list(PAPER_METHODS)
+    """The methods the core provides, in the paper's order."""
+    from rcr.methods import METHODS
+
     order = [*PAPER_METHODS, *LATER_METHODS]
     return [m for m in order if m in METHODS] + sorted(m for m in METHODS if m not in order)
 
@@ -256,14 +254,15 @@ def available_methods() -> list[str]:
 def validate_methods(methods: list[str]) -> list[str]:
     """Validate each label with the core's parser; ``all`` expands to :func:`available_methods`; ``full``
     always comes first; duplicates are dropped."""
-    parse = _core_method_parser()
+    from rcr.methods import parse_method
+
     out: list[str] = []
     expanded: list[str] = []
     for m in methods:
         expanded.extend(available_methods() if m == "all" else [m])
     for m in expanded:
         try:
-            parse(m)
+            parse_method(m)
         except (ValueError, KeyError) as e:
             raise ConfigError("methods", f"unknown method '{m}': {e}") from None
         if m not in out:
@@ -271,25 +270,6 @@ def validate_methods(methods: list[str]) -> list[str]:
     if "full" in out:
         out.remove("full")
     return ["full", *out]
-
-
-def _core_method_parser():
-    try:
-        from rcr.methods import parse_method  # the core's validator
-
-        return parse_method
-    except ImportError:  # the core is not importable: accept the documented labels
-        known = set(PAPER_METHODS) | set(LATER_METHODS) | {"rcr_layer"}
-
-        def parse(label: str):
-            base, _, arg = label.partition("@")
-            if base not in known:
-                raise ValueError(f"known methods: {', '.join(sorted(known))}")
-            if arg:
-                float(arg)
-            return label
-
-        return parse
 
 
 def validate_model(model: Any) -> None:
@@ -398,7 +378,9 @@ def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--task", choices=TASKS)
     p.add_argument("--model", help="'embedded' (default), a local checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct")
     p.add_argument("--shards", nargs="+", help="Parquet shard files/dirs/globs in the input schema; 'embedded' (default)")
-    p.add_argument("--methods", help="comma-separated method labels, e.g. full,bacon,rcr,fixed@0.05 (full is always run)")
+    p.add_argument("--methods", help="comma-separated method labels, or 'all' (default): "
+                   f"{', '.join(available_methods())}; 'fixed@TAU' runs fixed with that tau "
+                   "(e.g. fixed@0.05,fixed@0.10 for a sweep); full is always run")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
     p.add_argument("--limit", type=int, help="first N input rows")
     p.add_argument("--batch-size", dest="batch_size", type=int)

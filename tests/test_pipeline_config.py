@@ -74,6 +74,17 @@ def test_config_hash_ignores_batching_and_paths():
     assert a.config_hash == b.config_hash != c.config_hash
 
 
+def test_help_lists_every_registered_method():
+    from rcr.methods import METHODS
+
+    from pipeline.config import build_arg_parser
+
+    text = " ".join(build_arg_parser("detailcaps").format_help().split())  # undo argparse's line wrapping
+    for name in METHODS:
+        assert f" {name}," in text or f" {name};" in text, name
+    assert "fixed@TAU" in text
+
+
 def test_all_methods_expands_to_the_core_registry():
     from pipeline.config import available_methods
 

@@ -172,6 +172,7 @@ def result_row(sample: dict, method: str, s: dict, text: str, cfg: JobConfig, co
         keys_read_per_step=_f(s.get("keys_read_per_step")),
         values_read_per_step=_f(s.get("values_read_per_step")),
         detector_dots_per_step=_f(s.get("detector_dots_per_step")),
+        bytes_moved_per_step=_f(s.get("bytes_moved_per_step")),
         drift=_ll(drift, np.float32),
         drift_exact=_ll(s.get("drift_exact"), np.float32),
         trigger=_ll(s.get("trigger"), bool),

@@ -96,6 +96,7 @@ class Col:
     KEYS_READ = "keys_read_per_step"
     VALUES_READ = "values_read_per_step"
     DETECTOR_DOTS = "detector_dots_per_step"
+    BYTES_MOVED = "bytes_moved_per_step"
     DRIFT = "drift"
     DRIFT_EXACT = "drift_exact"
     TRIGGER = "trigger"
@@ -658,7 +659,8 @@ def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, 
     for name, col in (("refresh_fraction", Col.REFRESH_FRACTION), ("mean_drift", Col.MEAN_DRIFT),
                       ("mean_drift_exact", Col.MEAN_DRIFT_EXACT), ("n_steps", Col.N_STEPS),
                       ("keys_read_per_step", Col.KEYS_READ), ("values_read_per_step", Col.VALUES_READ),
-                      ("detector_dots_per_step", Col.DETECTOR_DOTS), ("tokens_per_s", Col.TOKENS_PER_S),
+                      ("detector_dots_per_step", Col.DETECTOR_DOTS), ("bytes_moved_per_step", Col.BYTES_MOVED),
+                      ("tokens_per_s", Col.TOKENS_PER_S),
                       ("prefill_s", Col.PREFILL_S), ("decode_s", Col.DECODE_S)):
         ps[name] = _num(d, col)
     ps["reads_per_step"] = ps["keys_read_per_step"] + ps["values_read_per_step"]
@@ -716,7 +718,7 @@ def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, 
                 row[f"{metric}_ci_low"] = e["ci_low"]
                 row[f"{metric}_ci_high"] = e["ci_high"]
             for c in ("keys_read_per_step", "values_read_per_step", "reads_per_step",
-                      "detector_dots_per_step", "tokens_per_s", "n_steps", "mean_drift"):
+                      "detector_dots_per_step", "bytes_moved_per_step", "tokens_per_s", "n_steps", "mean_drift"):
                 row[c] = float(g[c].mean()) if g[c].notna().any() else np.nan
             if m == FIXED and pd.isna(row["sweep_tau"]) and Col.TAU in d:
                 row["sweep_tau"] = _constant_tau(d[(d[Col.MODEL] == model) & (d[Col.METHOD] == m)])

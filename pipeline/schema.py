@@ -146,6 +146,7 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("keys_read_per_step", pa.float64()),  # per KV head per layer-step
     pa.field("values_read_per_step", pa.float64()),
     pa.field("detector_dots_per_step", pa.float64()),
+    pa.field("bytes_moved_per_step", pa.float64()),  # host-to-device prefix bytes per decode step (offload)
     # per-layer-step telemetry, [layer][step]
     pa.field("drift", _F32_LL),
     pa.field("drift_exact", _F32_LL),

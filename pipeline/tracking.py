@@ -16,7 +16,8 @@ What it writes, per job:
 * one **child run per method** (per (model, method) when a job has several models), tagged
   ``mlflow.parentRunId``: ``fidelity``, ``fidelity_ci_low``, ``fidelity_ci_high``, ``diff_bacon`` /
   ``diff_rcr`` with ``_ci_low`` / ``_ci_high``, ``refresh_fraction`` (+CI), ``keys_read_per_step``,
-  ``values_read_per_step``, ``reads_per_step``, ``detector_dots_per_step``, ``tokens_per_s``, reference
+  ``values_read_per_step``, ``reads_per_step``, ``detector_dots_per_step``, ``bytes_moved_per_step``,
+  ``tokens_per_s``, reference
   metrics (+CI), tercile metrics, and ``refresh_rate_by_step`` / ``tau_mean_by_step`` as step histories.
 
 Idempotence: the parent carries ``rcr.job_key`` = hash(absolute output dir, config hash(es)) (the job
@@ -65,7 +66,7 @@ CHILD_METRICS = (
     "diff_bacon", "diff_bacon_ci_low", "diff_bacon_ci_high", "n_pairs_bacon",
     "diff_rcr", "diff_rcr_ci_low", "diff_rcr_ci_high", "n_pairs_rcr",
     "refresh_fraction", "refresh_fraction_ci_low", "refresh_fraction_ci_high",
-    "keys_read_per_step", "values_read_per_step", "reads_per_step", "detector_dots_per_step",
+    "keys_read_per_step", "values_read_per_step", "reads_per_step", "detector_dots_per_step", "bytes_moved_per_step",
     "tokens_per_s", "n_steps", "mean_drift",
     "rougeL_ref", "rougeL_ref_ci_low", "rougeL_ref_ci_high", "cider", "cider_ci_low", "cider_ci_high",
     "n", "n_rows", "n_errors", "sweep_tau",

@@ -98,3 +98,18 @@ def test_embedded_shards_are_generated_once(tmp_path, monkeypatch):
     mtimes = [f.stat().st_mtime_ns for f in files]
     assert run.embedded_shards("textcaps") == [d]
     assert [f.stat().st_mtime_ns for f in files] == mtimes
+
+
+def test_offload_bytes_reach_the_output_rows(tmp_path):
+    """The real engine on the embedded model with ``offload=true``: drift-triggered methods report the
+    host-to-device bytes they moved; a method that reads nothing from the host reports 0."""
+    cfg = JobConfig.from_dict({"task": "detailcaps", "methods": ["full", "bacon", "fixed@0.0"],
+                               "max_new_tokens": 6, "batch_size": 1, "rcr": {"offload": True},
+                               "output_dir": str(tmp_path / "out")})
+    t = SampleEvaluator(cfg.to_dict())(_columns(synthetic_records("detailcaps", 1))).to_pandas()
+    assert t["error"].isna().all(), t["error"].tolist()
+    by = t.set_index("method")
+    # tau = 0 fires on every layer-step after the first, so every step moves the candidates' rows
+    assert by.loc["fixed@0.0", "refresh_fraction"] > 0.5
+    assert by.loc["fixed@0.0", "bytes_moved_per_step"] > 0
+    assert by.loc["full", "bytes_moved_per_step"] == 0 and by.loc["bacon", "bytes_moved_per_step"] == 0

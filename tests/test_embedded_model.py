@@ -88,7 +88,8 @@ def test_training_batches_equal_processor_output(shipped, task):
 def test_greedy_quality_on_held_out_samples(shipped):
     """A few held-out samples per task; the full bars are printed by jobs/eval_embedded.py."""
     model, processor = shipped
-    floors = {"detailcaps": (2, 0.65), "textcaps": (4, 0.75), "video": (3, 0.7)}  # untrained: < 0.1
+    # the shipped model scores 0.90 / 0.99 / 0.90 on these samples; untrained weights score < 0.1
+    floors = {"detailcaps": (4, 0.8), "textcaps": (4, 0.85), "video": (3, 0.8)}
     for task, (n, floor) in floors.items():
         samples = [S.render(task, S.HELDOUT_SEED, i) for i in range(n)]
         inputs = E.batch_inputs(processor, task, [s[0] for s in samples])

@@ -427,10 +427,10 @@ def refresh_by_step(df: pd.DataFrame, method: str = RCR, model: str | None = Non
     trig, tau = [], []
     for _, r in d.iterrows():
         t = _as_2d(r.get(Col.TRIGGER), float)
-        if t is not None:
+        if t is not None and np.isfinite(t).any():
             trig.append(np.nanmean(t, 0))
         a = _as_2d(r.get(Col.TAU), float)
-        if a is not None:
+        if a is not None and np.isfinite(a).any():  # methods without a threshold record NaN tau
             tau.append(np.nanmean(a, 0))
     rm, rc = _ragged_mean(trig)
     tm, _ = _ragged_mean(tau)

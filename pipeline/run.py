@@ -29,6 +29,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline import data, metrics, tracking
 from pipeline.actor import METHODS_COLUMN, SampleEvaluator, error_rows
 from pipeline.config import (
     EMBEDDED,
@@ -65,32 +66,15 @@ def embedded_shards(task: str) -> list[str]:
     if shipped.is_dir() and any(shipped.glob("*.parquet")):
         return [str(shipped)]
     cache = Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve() / "shards" / task
-    if not (cache / _success_marker()).is_file():  # absent, or an interrupted write
+    if not (cache / data.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
         write_embedded_shards(task, cache)
     return [str(cache)]
 
 
-def _success_marker() -> str:
-    try:
-        from pipeline.data import SUCCESS_MARKER
-
-        return SUCCESS_MARKER
-    except ImportError:
-        return "_SUCCESS"
-
-
 def write_embedded_shards(task: str, out_dir: Path, n: int | None = None) -> None:
-    try:
-        from pipeline import data
-    except ImportError as e:
-        raise ConfigError("shards", f"no embedded shards for '{task}' and pipeline.data is unavailable ({e}); "
-                                    "pass --shards") from None
-    writer = getattr(data, "write_synthetic_shards", None)
-    if writer is None:
-        raise ConfigError("shards", "pipeline.data has no write_synthetic_shards(); pass --shards")
     out_dir.mkdir(parents=True, exist_ok=True)
     say(f"writing the embedded synthetic {task} shards to {out_dir}")
-    writer(task=task, out_dir=str(out_dir), **({} if n is None else {"n": n}))
+    data.write_synthetic_shards(task=task, out_dir=str(out_dir), n=n)
 
 
 def check_model_available(cfg: JobConfig) -> None:
@@ -337,7 +321,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     if cfg.summary:
         report.update(summarize(cfg, store))
     say(f"Parquet: {cfg.output_dir}  (pandas: pd.read_parquet({cfg.output_dir!r}))")
-    say(f"MLflow runs: {cfg.mlflow_uri}  (UI: mlflow ui --backend-store-uri {cfg.mlflow_uri})")
+    say(f"MLflow runs: {cfg.mlflow_uri}  (UI: {tracking.ui_hint(cfg.mlflow_uri)})")
     return report
 
 
@@ -356,21 +340,14 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     text = None
     analysis = None
     try:
-        from pipeline import metrics
-
         analysis = metrics.analyze(df)
         text = metrics.format_summary(analysis)
     except Exception as e:  # noqa: BLE001 - the summary must never lose the outputs
-        say(f"pipeline.metrics unavailable or failed ({type(e).__name__}: {e}); printing the minimal summary")
+        say(f"the statistics failed ({type(e).__name__}: {e}); printing the minimal summary")
     if text is None:
         text = minimal_summary(df)
     print(text, flush=True)
     out["summary"] = text
-    try:
-        from pipeline import tracking
-    except ImportError:
-        say("pipeline.tracking is not available; MLflow logging skipped (MLflow can be rebuilt from the Parquet)")
-        return out
     try:
         info = tracking.log_job(df=df, config=cfg.to_dict(), analysis=analysis, tracking_uri=cfg.mlflow_uri,
                                 experiment=cfg.experiment, output_dir=cfg.output_dir, job_name=cfg.job_name)

@@ -42,7 +42,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-import numpy as np
 import pandas as pd
 
 from pipeline import metrics as M
@@ -342,8 +341,15 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     if verbose:
         what = f"replaced {n_del} older run(s)" if n_del else "new"
         print(f"[mlflow] logged job '{job_name}' to {tracking_uri}, experiment '{experiment}': parent run "
-              f"{parent_id} ({what}); UI: mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1")
+              f"{parent_id} ({what}); UI: {ui_hint(tracking_uri)}")
     return parent_id
+
+
+def ui_hint(tracking_uri: str) -> str:
+    """How to browse ``tracking_uri``: a tracking server is its own UI; a store needs ``mlflow ui`` on it."""
+    if re.match(r"https?://", tracking_uri):
+        return f"open {tracking_uri} in a browser"
+    return f"mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1"
 
 
 def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: M.Analysis, summary: str, adir: Path, *,

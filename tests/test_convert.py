@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from PIL import Image
 
 from pipeline import convert, data
-from pipeline.schema import INPUT_SCHEMA, SchemaError
+from pipeline.schema import INPUT_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "jobs") not in sys.path:

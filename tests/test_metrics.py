@@ -254,6 +254,20 @@ def test_refresh_by_step(frame):
     assert r.tau_mean.iloc[0] == pytest.approx(0.03, rel=0.05)
 
 
+def test_refresh_by_step_of_a_method_without_a_threshold_is_quiet(frame):
+    """The core records NaN tau for methods with no threshold (bacon, exact, ...): no empty-slice warning,
+    a NaN tau column, and the refresh rate still computed."""
+    import warnings
+
+    d = frame.copy()
+    static = d.method == "bacon"
+    d.loc[static, "tau"] = d.loc[static, "tau"].map(lambda t: [[float("nan")] * len(r) for r in t])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = M.refresh_by_step(d, "bacon")
+    assert len(r) and r.tau_mean.isna().all() and (r.refresh_rate == 0).all()
+
+
 def test_sweep_labels():
     assert M.sweep_methods() == ["fixed@0.02", "fixed@0.03", "fixed@0.05", "fixed@0.1", "fixed@0.15"]
     assert M.parse_sweep_tau("fixed@0.1") == 0.1 and M.parse_sweep_tau("rcr") is None

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from pipeline import data, synthetic as S
 from pipeline.schema import INPUT_SCHEMA, SchemaError, input_table_from_records, validate_input_table

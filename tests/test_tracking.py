@@ -179,3 +179,9 @@ def test_job_key_and_uri():
     assert tracking.resolve_tracking_uri(None).startswith("sqlite:////")
     assert tracking.resolve_tracking_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
     assert tracking.resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+
+
+def test_ui_hint_points_a_server_uri_at_its_own_ui():
+    assert tracking.ui_hint("http://127.0.0.1:5000") == "open http://127.0.0.1:5000 in a browser"
+    hint = tracking.ui_hint("sqlite:////abs/m.db")
+    assert hint.startswith("mlflow ui --backend-store-uri sqlite:////abs/m.db") and "--host 127.0.0.1" in hint

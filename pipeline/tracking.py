@@ -17,8 +17,8 @@ What it writes, per job:
   ``mlflow.parentRunId``: ``fidelity``, ``fidelity_ci_low``, ``fidelity_ci_high``, ``diff_bacon`` /
   ``diff_rcr`` with ``_ci_low`` / ``_ci_high``, ``refresh_fraction`` (+CI), ``keys_read_per_step``,
   ``values_read_per_step``, ``reads_per_step``, ``detector_dots_per_step``, ``bytes_moved_per_step``,
-  ``tokens_per_s``, reference
-  metrics (+CI), tercile metrics, and ``refresh_rate_by_step`` / ``tau_mean_by_step`` as step histories.
+  ``tokens_per_s``, reference metrics (+CI), tercile metrics, and ``refresh_rate_by_step`` /
+  ``tau_mean_by_step`` as step histories.
 
 Idempotence: the parent carries ``rcr.job_key`` = hash(absolute output dir, config hash(es)) (the job
 name when no output dir is known) and ``rcr.fingerprint`` = hash(row contents, analysis settings,

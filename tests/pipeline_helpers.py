@@ -177,16 +177,6 @@ def tiny_qwen2_vl_dir(root: Path) -> Path:
     return d
 
 
-def core_ready() -> bool:
-    try:
-        import rcr
-        import rcr.models
-
-        return hasattr(rcr, "generate") and hasattr(rcr.models, "load") and hasattr(rcr.models, "build_inputs")
-    except Exception:  # noqa: BLE001
-        return False
-
-
 # ---------------------------------------------------------------------- a local Ray head on 127.0.0.1
 
 

@@ -274,16 +274,9 @@ def test_sweep_labels():
 
 
 def test_column_names_match_output_schema():
-    schema = pytest.importorskip("pipeline.schema")
-    names = None
-    for attr in ("OUTPUT_SCHEMA", "output_schema", "OUTPUT"):
-        obj = getattr(schema, attr, None)
-        if obj is not None and hasattr(obj, "names"):
-            names = set(obj.names)
-            break
-    if names is None:
-        pytest.skip("pipeline.schema has no OUTPUT_SCHEMA yet")
-    assert set(M.Col.ALL) <= names, sorted(set(M.Col.ALL) - names)
+    from pipeline.schema import OUTPUT_SCHEMA
+
+    assert set(M.Col.ALL) <= set(OUTPUT_SCHEMA.names), sorted(set(M.Col.ALL) - set(OUTPUT_SCHEMA.names))
 
 
 def test_docs_pandas_queries_run(tmp_path, frame):

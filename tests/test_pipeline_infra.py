@@ -103,7 +103,7 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
     """infra/quickstart.sh (install skipped: this venv) starts Ray + MLflow on 127.0.0.1 via
     infra/local_cluster.sh, submits jobs/detailcaps.py with `ray job submit`, and the job ends with the
     per-method summary and the locations; then `local_cluster.sh stop` stops exactly what it started."""
-    from pipeline_helpers import core_ready, fake_model_dir, tiny_qwen2_vl_dir
+    from pipeline_helpers import tiny_qwen2_vl_dir
 
     runs = tmp_path / "runs"
     env = dict(os.environ, RCR_RUNS_DIR=str(runs), RCR_RAY_PORT=str(free_port()), RCR_SKIP_INSTALL="1",
@@ -112,17 +112,14 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
                PATH=f"{Path(PY).parent}:{os.environ.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
     shards = write_shard(tmp_path / "shards" / "s.parquet", synthetic_records("detailcaps", 2))
-    if core_ready():
-        model, extra = str(tiny_qwen2_vl_dir(tmp_path)), []
-    else:
-        model, extra = str(fake_model_dir(tmp_path)), ["--engine", "tests.pipeline_helpers:FakeEngine"]
+    model = str(tiny_qwen2_vl_dir(tmp_path))
     out = runs / "quick"
     state = runs / "local-cluster"
     script = str(REPO / "infra" / "local_cluster.sh")
     pids = []
     try:
         r = subprocess.run(["bash", str(REPO / "infra" / "quickstart.sh"), "--model", model, "--shards", str(shards),
-                            "--methods", "full,bacon,rcr", "--max-new-tokens", "3", "--output-dir", str(out), *extra],
+                            "--methods", "full,bacon,rcr", "--max-new-tokens", "3", "--output-dir", str(out)],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=800, check=False)
         pids = [int((state / f).read_text()) for f in ("ray.pid", "mlflow.pid") if (state / f).is_file()]
         log = r.stdout + r.stderr

@@ -26,7 +26,6 @@ from pipeline_helpers import (
     REPO,
     LocalRayHead,
     bad_input_records,
-    core_ready,
     fake_model_dir,
     synthetic_records,
     tiny_qwen2_vl_dir,
@@ -50,8 +49,6 @@ def head(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def real_model(tmp_path_factory) -> str:
-    if not core_ready():
-        pytest.skip("the core library (rcr.generate, rcr.models) is not available")
     if (EMBEDDED_MODEL / "config.json").is_file():
         return "embedded"
     return str(tiny_qwen2_vl_dir(tmp_path_factory.mktemp("model")))

@@ -9,11 +9,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-pytest.importorskip("mlflow")
-from mlflow import MlflowClient  # noqa: E402
+from mlflow import MlflowClient
 
-from fake_output import make_output_frame, write_output_dir  # noqa: E402
-from pipeline import tracking  # noqa: E402
+from fake_output import make_output_frame, write_output_dir
+from pipeline import tracking
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("full", "bacon", "exact", "fixed", "rcr", "fixed@0.05")

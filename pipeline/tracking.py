@@ -30,6 +30,7 @@ the same function to rebuild the runs from a Parquet output directory.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -331,8 +332,9 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
         adir = Path(artifacts_dir).expanduser().resolve()
         adir.mkdir(parents=True, exist_ok=True)
     try:
-        parent_id = _log_new(client, exp_id, df, config, analysis, summary, adir, key=key, fp=fp,
-                             job_name=job_name, output_dir=output_dir, tracking_uri=tracking_uri, rho=rho)
+        with _quiet_run_urls():
+            parent_id = _log_new(client, exp_id, df, config, analysis, summary, adir, key=key, fp=fp,
+                                 job_name=job_name, output_dir=output_dir, tracking_uri=tracking_uri, rho=rho)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -340,9 +342,27 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     n_del = _delete_runs(client, existing, {parent_id})
     if verbose:
         what = f"replaced {n_del} older run(s)" if n_del else "new"
+        where = (f"{tracking_uri.rstrip('/')}/#/experiments/{exp_id}/runs/{parent_id}"
+                 if re.match(r"https?://", tracking_uri) else ui_hint(tracking_uri))
         print(f"[mlflow] logged job '{job_name}' to {tracking_uri}, experiment '{experiment}': parent run "
-              f"{parent_id} ({what}); UI: {ui_hint(tracking_uri)}")
+              f"{parent_id} ({what}); UI: {where}")
     return parent_id
+
+
+@contextlib.contextmanager
+def _quiet_run_urls():
+    """Against a tracking server MLflow prints two URL lines per finished run (22 for a 10-method job), which
+    would bury the job's summary; the parent's URL is printed once instead."""
+    name = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+    before = os.environ.get(name)
+    os.environ[name] = "true"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def ui_hint(tracking_uri: str) -> str:

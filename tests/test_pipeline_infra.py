@@ -126,7 +126,10 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
         assert r.returncode == 0, log[-6000:]
         assert "RAY_AUTH_MODE=token" in (state / "env").read_text()
         assert "ray job submit" in log and "[rcr-job] progress:" in log and "fidelity" in log
-        assert f"Parquet: {out}" in log and f"MLflow runs: http://127.0.0.1:{env['RCR_MLFLOW_PORT']}" in log
+        mlflow_url = f"http://127.0.0.1:{env['RCR_MLFLOW_PORT']}"
+        assert f"Parquet: {out}" in log and f"MLflow runs: {mlflow_url}" in log
+        # a tracking server is its own UI: the parent run's URL once, not MLflow's two lines per run
+        assert f"UI: {mlflow_url}/#/experiments/" in log and "View run" not in log
         import pandas as pd
 
         df = pd.read_parquet(out)

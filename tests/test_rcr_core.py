@@ -16,6 +16,7 @@ from rcr.attention import rcr_attention_enabled
 from rcr.controller import RateController
 from rcr.generate import build_cache
 from rcr.methods import RCR, parse_method
+from rcr.methods.exact import Exact
 from rcr.methods.bacon import bacon_layer_scores
 
 SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
@@ -89,6 +90,45 @@ def test_refresh_rewrites_only_selected_slots(qwen_prefix):
     m = CheckingRCR(config=SMALL)
     rcr.decode(model, prefix, m, 12, eos_token_id=[])
     assert m.refreshes > 0
+
+
+@dataclass
+class RecordingExact(Exact):
+    """Exact re-selection that keeps what each decision saw and chose."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.seen = []
+
+    def decide(self, ctx):
+        d = super().decide(ctx)
+        self.seen.append((ctx.layer, ctx.query.detach().double().clone(), d.selection.clone()))
+        return d
+
+
+def test_exact_selects_the_top_entries_of_the_current_attention(qwen_prefix):
+    """`exact`'s selection at every layer-step == the top-S prefix entries by the step's own attention,
+    recomputed here in float64: softmax of q.k / sqrt(d) over the valid prefix, per query head, averaged over
+    the query heads that share the KV head (the default head_reduction, mean_prob)."""
+    model, _, prefix = qwen_prefix
+    m = RecordingExact(config=SMALL)
+    rcr.decode(model, prefix, m, 6, eos_token_id=[])
+    assert len(m.seen) == 5 * len(prefix.layers)  # the first of the 6 tokens comes from the prefill
+    valid = prefix.prefix_valid.cpu().numpy()  # (B, Np)
+    S = SMALL.selected
+    for layer, q, sel in m.seen:
+        k = prefix.prefix_kv(layer)[0].double().cpu().numpy()  # (B, Hkv, Np, d)
+        B, Hkv, Np, d = k.shape
+        q = q.cpu().numpy()[:, :, 0]  # (B, Hq, d)
+        G = q.shape[1] // Hkv
+        for b in range(B):
+            for h in range(Hkv):
+                logit = q[b, h * G:(h + 1) * G] @ k[b, h].T / np.sqrt(d)  # (G, Np)
+                logit[:, ~valid[b]] = -np.inf
+                prob = np.exp(logit - logit.max(1, keepdims=True))
+                prob = (prob / prob.sum(1, keepdims=True)).mean(0)
+                want = set(np.argsort(-prob, kind="stable")[:S].tolist())
+                assert set(sel[b, h].tolist()) == want, (layer, b, h)
 
 
 def test_rate_controller_tracks_quantile():

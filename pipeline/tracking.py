@@ -342,10 +342,8 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     n_del = _delete_runs(client, existing, {parent_id})
     if verbose:
         what = f"replaced {n_del} older run(s)" if n_del else "new"
-        where = (f"{tracking_uri.rstrip('/')}/#/experiments/{exp_id}/runs/{parent_id}"
-                 if re.match(r"https?://", tracking_uri) else ui_hint(tracking_uri))
         print(f"[mlflow] logged job '{job_name}' to {tracking_uri}, experiment '{experiment}': parent run "
-              f"{parent_id} ({what}); UI: {where}")
+              f"{parent_id} ({what}); UI: {ui_hint(tracking_uri, exp_id, parent_id)}")
     return parent_id
 
 
@@ -365,9 +363,12 @@ def _quiet_run_urls():
             os.environ[name] = before
 
 
-def ui_hint(tracking_uri: str) -> str:
-    """How to browse ``tracking_uri``: a tracking server is its own UI; a store needs ``mlflow ui`` on it."""
+def ui_hint(tracking_uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
+    """How to browse ``tracking_uri`` (at ``run_id`` when given): a tracking server is its own UI, so its
+    run page's URL; a store needs ``mlflow ui`` on it."""
     if re.match(r"https?://", tracking_uri):
+        if run_id:
+            return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
         return f"open {tracking_uri} in a browser"
     return f"mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1"
 

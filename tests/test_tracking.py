@@ -182,5 +182,6 @@ def test_job_key_and_uri():
 
 def test_ui_hint_points_a_server_uri_at_its_own_ui():
     assert tracking.ui_hint("http://127.0.0.1:5000") == "open http://127.0.0.1:5000 in a browser"
+    assert tracking.ui_hint("http://127.0.0.1:5000/", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
     hint = tracking.ui_hint("sqlite:////abs/m.db")
     assert hint.startswith("mlflow ui --backend-store-uri sqlite:////abs/m.db") and "--host 127.0.0.1" in hint

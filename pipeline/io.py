@@ -15,7 +15,6 @@ half-written part that a reader or a resume would see.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
 import json
@@ -29,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError
+from rcr.fileio import atomic_path, atomic_write_text  # noqa: F401  (re-exported for the pipeline)
 
 PART_PREFIX = "part-"
 RUNS_DIR = "_runs"
@@ -38,48 +38,11 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, mode: str = "wb"):
-    """Open a hidden temporary file beside ``path``; on success it is flushed, fsynced and renamed onto
-    ``path`` (atomic on POSIX), so ``path`` is either absent or complete. On error the temporary is removed."""
-    path = Path(path)
-    tmp = path.parent / f".tmp-{uuid.uuid4().hex}-{path.name}"
-    try:
-        with open(tmp, mode) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
-
-
 def atomic_write_table(table: pa.Table, path: str | os.PathLike) -> Path:
     """Write ``table`` to ``path`` so that the file is either absent or complete."""
     with atomic_path(path) as fh:
         pq.write_table(table, fh, compression="zstd")
     return Path(path)
-
-
-def atomic_write_text(text: str, path: str | os.PathLike) -> Path:
-    with atomic_path(path, "w") as fh:
-        fh.write(text)
-    return Path(path)
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class OutputStore:

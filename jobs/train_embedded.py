@@ -49,10 +49,16 @@ SPECIAL_TOKENS = {
     "unk": "<unk>",
 }
 
+# Qwen2-VL's default system prompt: like the real template, a conversation without a system message gets it.
+# Real VLMs park much of their attention on such fixed leading text (attention sinks), which the paper's
+# drift figures reflect; the embedded model sees the same kind of prompt.
+SYSTEM_PROMPT = "You are a helpful assistant ."
+
 # A minimal Qwen2-VL-style chat template over the word-level vocabulary. Message content may be a
 # string or a list of {"type": "image"|"video"|"text"} parts, as with the real Qwen2-VL processor.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system " + SYSTEM_PROMPT + " <|im_end|> {% endif %}"
     "<|im_start|>{{ message['role'] }} "
     "{% if message['content'] is string %}{{ message['content'] }} "
     "{% else %}{% for part in message['content'] %}"
@@ -78,7 +84,7 @@ def build_tokenizer():
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = S.vocabulary() + ["user", "assistant", "system"]
+    words = S.vocabulary() + ["user", "assistant", "system"] + SYSTEM_PROMPT.split()
     specials = list(SPECIAL_TOKENS.values())
     vocab = {tok: i for i, tok in enumerate(specials)}
     for w in words:
@@ -261,7 +267,7 @@ class BatchBuilder:
 CURRICULUM = (
     # (until frac, {task: weight}, detailcaps objects (lo, hi) or None for the generator's 8-10)
     (0.15, {"detailcaps": 0.2, "textcaps": 0.6, "video": 0.2}, (2, 4)),
-    (0.30, {"detailcaps": 0.45, "textcaps": 0.3, "video": 0.25}, (2, 10)),
+    (0.30, {"detailcaps": 0.45, "textcaps": 0.3, "video": 0.25}, (2, 14)),
     (1.01, {"detailcaps": 0.6, "textcaps": 0.15, "video": 0.25}, None),
 )
 BATCH_SIZES = {"detailcaps": 5, "textcaps": 8, "video": 6}
@@ -285,9 +291,10 @@ def batch_plan(seed: int, step: int, total_steps: int, batch_scale: float = 1.0)
     return task, items
 
 
-def make_batch(builder: BatchBuilder, seed: int, step: int, total_steps: int, batch_scale: float = 1.0):
+def make_batch(builder: BatchBuilder, seed: int, step: int, total_steps: int, batch_scale: float = 1.0,
+               layout: str = S.DEFAULT_LAYOUT):
     task, items = batch_plan(seed, step, total_steps, batch_scale)
-    samples = [S.render(task, s, idx, n_objects=n) for s, idx, n in items]
+    samples = [S.render(task, s, idx, n_objects=n, layout=layout) for s, idx, n in items]
     return task, builder.build(task, samples)
 
 
@@ -321,6 +328,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--size", default="mini", choices=sorted(MODEL_SIZES))
+    ap.add_argument("--layout", default="v2", choices=sorted(S.LAYOUTS),
+                    help="scene layout of detailcaps/textcaps (pipeline/synthetic.py LAYOUTS)")
     ap.add_argument("--steps", type=int, default=18000, help="optimizer steps (the shipped model saw 18000)")
     ap.add_argument("--minutes", type=float, default=None,
                     help="stop (and save) after this many minutes of this process; for smoke runs")
@@ -383,8 +392,9 @@ def main(argv=None):
     step, elapsed_before = 0, 0.0
     if ckpt_path.exists() and not args.fresh:
         ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if ck["args"]["size"] != args.size or ck["args"]["seed"] != args.seed:
-            raise SystemExit(f"checkpoint {ckpt_path} was made with other --size/--seed; pass --fresh")
+        made = {k: ck["args"].get(k, "v1" if k == "layout" else None) for k in ("size", "seed", "layout", "steps")}
+        if made != {k: getattr(args, k) for k in made}:
+            raise SystemExit(f"checkpoint {ckpt_path} was made with {made}; pass the same flags, or --fresh")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         step, elapsed_before = ck["step"], ck["elapsed"]
@@ -425,7 +435,7 @@ def main(argv=None):
         if args.minutes is not None and time.time() - t_start > args.minutes * 60:
             print(f"--minutes {args.minutes} reached at step {step}", flush=True)
             break
-        task, batch = make_batch(builder, args.seed, step, args.steps, args.batch_scale)
+        task, batch = make_batch(builder, args.seed, step, args.steps, args.batch_scale, args.layout)
         batch = {k: v.to(device) for k, v in batch.items()}
         for g in opt.param_groups:
             g["lr"] = lr_at(step)

@@ -2,12 +2,14 @@
 
 Three task styles, each a pure function of ``(seed, task, index)``:
 
-* ``detailcaps`` -- a 336 px scene on a 4x4 grid (144 visual tokens after the Qwen2-VL merge) with
-  8-12 objects. The description walks the occupied cells in raster order and gives, per object, its
-  position (row, column), size, colour, texture, shape and a relation to the next object. Every
-  object's attributes live in a different image region, so the decoder's attention has to move.
-* ``textcaps`` -- the same kind of 336 px image with one or two objects and a one-sentence caption
-  (<= ~20 tokens).
+* ``detailcaps`` -- a 448 x 560 px scene (16 x 20 = 320 visual tokens after the Qwen2-VL merge) on a grid of
+  5 rows by 4 columns, with 11-14 small objects. The description walks the occupied cells in raster order
+  and gives, per object, its position (row, column), size, colour, texture, shape and a relation to the next
+  object. Every object sits in its own cell and shows its attributes only in its own 1-4 visual tokens, and
+  a scene has more object tokens than a 32-entry selection holds: which entries a step needs changes as the
+  description moves from object to object.
+* ``textcaps`` -- the same kind of image with one or two objects and a one-sentence caption
+  (<= ~20 tokens): the same long prefix, a short answer that needs only a few entries.
 * ``video`` -- 8, 12 or 16 frames of 168 px (36 visual tokens per temporal patch of 2 frames) with one
   or two objects hopping between the 9 positions of a 3x3 grid, described over time ("The red circle
   moves from the top left to the centre , then to the bottom right .").
@@ -48,14 +50,42 @@ COLOURS = {
 SHAPES = ("circle", "square", "triangle", "diamond")
 SIZES = ("big", "small")
 TEXTURES = ("plain", "striped", "dotted")
-NUMBER_WORDS = ("one", "two", "three", "four")
+NUMBER_WORDS = ("one", "two", "three", "four", "five")
 BACKGROUND = (128, 128, 128)  # plain grey canvas
 # (A version that gave every grid cell its own shade of grey, as an absolute-position cue for the visual
 # tokens, made the tiny model learn colours and shapes several times more slowly; plain it is.)
 
-IMAGE_SIZE = 336  # 24x24 patches of 14 px -> 12x12 = 144 merged visual tokens
-GRID = 4  # 4x4 cells of 84 px (3x3 merged tokens each)
-CELL = IMAGE_SIZE // GRID
+
+
+@dataclass(frozen=True)
+class SceneLayout:
+    """The grid of a detailcaps/textcaps scene. A merged Qwen2-VL visual token covers 28 x 28 px."""
+
+    name: str
+    rows: int
+    cols: int
+    cell: int  # px per cell side
+    min_objects: int  # detailcaps objects per scene
+    max_objects: int
+    jitter: int  # an object's centre moves up to this many px from its cell's centre
+
+    @property
+    def height(self) -> int:
+        return self.rows * self.cell
+
+    @property
+    def width(self) -> int:
+        return self.cols * self.cell
+
+
+LAYOUTS = {
+    # 336 px, 4x4 cells of 84 px (3x3 tokens): 144 visual tokens, 8-10 objects (the shipped v1 model)
+    "v1": SceneLayout("v1", rows=4, cols=4, cell=84, min_objects=8, max_objects=10, jitter=4),
+    # 448 x 560 px, 5 rows x 4 columns of 112 px (4x4 tokens): 320 visual tokens, 11-14 objects of 1-4
+    # tokens each, more object tokens than a 32-entry selection holds (the model being trained for v2)
+    "v2": SceneLayout("v2", rows=5, cols=4, cell=112, min_objects=11, max_objects=14, jitter=12),
+}
+DEFAULT_LAYOUT = "v1"  # what the shipped model was trained on; flips with the model it belongs to
 FRAME_SIZE = 168  # 12x12 patches -> 6x6 = 36 merged tokens per temporal patch
 VIDEO_GRID = 3
 VIDEO_CELL = FRAME_SIZE // VIDEO_GRID
@@ -66,14 +96,11 @@ VIDEO_POSITIONS = (
 )
 QUADRANTS = ("the top left", "the top right", "the bottom left", "the bottom right")
 
-# Object radii (px) on the 336 px image, where a merged visual token covers 28x28 px. Objects this small
+# Object radii (px), where a merged visual token covers 28x28 px. Objects this small
 # fit in 1-4 tokens, so each token the decoder attends to shows the object's outline: with radii 34/21
 # (2-3 tokens across) the tiny model learned colour, texture and size but never shape.
 BIG_RADIUS = 22.0
 SMALL_RADIUS = 13.0
-
-DETAIL_MIN_OBJECTS = 8
-DETAIL_MAX_OBJECTS = 10
 
 TRAIN_SEED = 0  # jobs/train_embedded.py trains on seed 0
 HELDOUT_SEED = 10_000  # evaluation and the embedded job's shards use this seed: never seen in training
@@ -189,37 +216,38 @@ def _random_object(rng: np.random.Generator) -> SceneObject:
     )
 
 
-def _blank(size: int) -> np.ndarray:
-    img = np.empty((size, size, 3), dtype=np.uint8)
+def _blank(height: int, width: int | None = None) -> np.ndarray:
+    img = np.empty((height, height if width is None else width, 3), dtype=np.uint8)
     img[:] = BACKGROUND
     return img
 
 
-def _render_grid(rng: np.random.Generator, cells: dict[int, SceneObject]) -> np.ndarray:
-    img = _blank(IMAGE_SIZE)
+def _render_grid(rng: np.random.Generator, cells: dict[int, SceneObject], lay: SceneLayout) -> np.ndarray:
+    img = _blank(lay.height, lay.width)
     for cell, obj in cells.items():
-        r, c = divmod(cell, GRID)
-        jx, jy = rng.integers(-4, 5, size=2)
-        cx = c * CELL + CELL // 2 + int(jx)
-        cy = r * CELL + CELL // 2 + int(jy)
+        r, c = divmod(cell, lay.cols)
+        jx, jy = rng.integers(-lay.jitter, lay.jitter + 1, size=2)
+        cx = c * lay.cell + lay.cell // 2 + int(jx)
+        cy = r * lay.cell + lay.cell // 2 + int(jy)
         radius = BIG_RADIUS if obj.size == "big" else SMALL_RADIUS
         _paint(img, cx, cy, obj, radius, phase=int(rng.integers(8)))
     return img
 
 
 # ----------------------------------------------------------------------------------------- tasks
-def _detailcaps(rng: np.random.Generator, n_objects: int | None) -> tuple[list[np.ndarray], str]:
-    n = int(rng.integers(DETAIL_MIN_OBJECTS, DETAIL_MAX_OBJECTS + 1)) if n_objects is None else n_objects
-    if not 1 <= n <= GRID * GRID:
-        raise SyntheticError(f"n_objects must be in 1..{GRID * GRID}, got {n}")
-    chosen = sorted(rng.choice(GRID * GRID, size=n, replace=False).tolist())
+def _detailcaps(rng: np.random.Generator, n_objects: int | None, lay: SceneLayout) -> tuple[list[np.ndarray], str]:
+    n = int(rng.integers(lay.min_objects, lay.max_objects + 1)) if n_objects is None else n_objects
+    n_cells = lay.rows * lay.cols
+    if not 1 <= n <= n_cells:
+        raise SyntheticError(f"n_objects must be in 1..{n_cells}, got {n}")
+    chosen = sorted(rng.choice(n_cells, size=n, replace=False).tolist())
     cells = {cell: _random_object(rng) for cell in chosen}
-    img = _render_grid(rng, cells)
+    img = _render_grid(rng, cells, lay)
     parts = []
     for i, cell in enumerate(chosen):
-        r, c = divmod(cell, GRID)
+        r, c = divmod(cell, lay.cols)
         obj = cells[cell]
-        if i + 1 < len(chosen) and chosen[i + 1] // GRID == r:
+        if i + 1 < len(chosen) and chosen[i + 1] // lay.cols == r:
             rel = f"left of the {cells[chosen[i + 1]].short()}"
         else:
             rel = "at the end of its row"
@@ -227,18 +255,20 @@ def _detailcaps(rng: np.random.Generator, n_objects: int | None) -> tuple[list[n
     return [img], " ".join(parts)
 
 
-def _textcaps(rng: np.random.Generator) -> tuple[list[np.ndarray], str]:
+def _textcaps(rng: np.random.Generator, lay: SceneLayout) -> tuple[list[np.ndarray], str]:
     n = int(rng.integers(1, 3))
     quads = sorted(rng.choice(4, size=n, replace=False).tolist())
     cells: dict[int, SceneObject] = {}
     phrases = []
     for q in quads:
         qr, qc = divmod(q, 2)
-        r, c = 2 * qr + int(rng.integers(2)), 2 * qc + int(rng.integers(2))
+        # a quadrant's two rows/columns nearest its corner (an odd grid's middle row belongs to neither half)
+        r = qr * (lay.rows - 2) + int(rng.integers(2))
+        c = qc * (lay.cols - 2) + int(rng.integers(2))
         obj = _random_object(rng)
-        cells[r * GRID + c] = obj
+        cells[r * lay.cols + c] = obj
         phrases.append(f"a {obj.phrase()} at {QUADRANTS[q]}")
-    img = _render_grid(rng, cells)
+    img = _render_grid(rng, cells, lay)
     text = " and ".join(phrases) + " ."
     return [img], text[0].upper() + text[1:]
 
@@ -297,19 +327,28 @@ def _video(rng: np.random.Generator) -> tuple[list[np.ndarray], str]:
     return frames, " ".join(sentences)
 
 
-def render(task: str, seed: int, index: int, n_objects: int | None = None) -> tuple[list[np.ndarray], str]:
+def get_layout(name: str) -> SceneLayout:
+    if name not in LAYOUTS:
+        raise SyntheticError(f"unknown scene layout {name!r}: field 'layout' must be one of {', '.join(LAYOUTS)}")
+    return LAYOUTS[name]
+
+
+def render(task: str, seed: int, index: int, n_objects: int | None = None,
+           layout: str = DEFAULT_LAYOUT) -> tuple[list[np.ndarray], str]:
     """Frames (uint8 HxWx3 arrays; one for images) and the ground-truth description.
 
-    A pure function of its arguments: the same (task, seed, index) always gives the same sample.
+    A pure function of its arguments: the same (task, seed, index, layout) always gives the same sample.
+    ``layout`` sets the scene grid of detailcaps and textcaps (video has its own).
     """
     check_task(task)
+    lay = get_layout(layout)
     if seed < 0 or index < 0:
         raise SyntheticError(f"seed and index must be >= 0, got seed={seed} index={index}")
     rng = np.random.default_rng([int(seed), _TASK_CODE[task], int(index)])
     if task == "detailcaps":
-        frames, text = _detailcaps(rng, n_objects)
+        frames, text = _detailcaps(rng, n_objects, lay)
     elif task == "textcaps":
-        frames, text = _textcaps(rng)
+        frames, text = _textcaps(rng, lay)
     else:
         frames, text = _video(rng)
     return frames, canonical(text)
@@ -323,11 +362,13 @@ def encode_png(img: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def make_record(task: str, seed: int, index: int) -> dict:
-    """One row of the input schema."""
-    frames, text = render(task, seed, index)
+def make_record(task: str, seed: int, index: int, layout: str = DEFAULT_LAYOUT) -> dict:
+    """One row of the input schema. Scenes of a layout other than v1 carry its name in their id, so two
+    layouts' samples never share a key in one output directory."""
+    frames, text = render(task, seed, index, layout=layout)
+    tag = "" if layout == "v1" or task == "video" else f"{layout}-"
     return {
-        "sample_id": f"synthetic-{task}-s{seed}-{index:07d}",
+        "sample_id": f"synthetic-{tag}{task}-s{seed}-{index:07d}",
         "task": task,
         "prompt": PROMPTS[task],
         "images": [encode_png(f) for f in frames],

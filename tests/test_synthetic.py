@@ -38,41 +38,61 @@ def test_workers_do_not_change_output(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- content
-def test_detailcaps_is_long_and_spatial():
-    lengths, objects = [], []
+def _cells(text: str) -> list[tuple[int, int]]:
+    """(row, column) of every object a detailcaps description names, in order."""
+    words = text.split()
+    return [(S.NUMBER_WORDS.index(words[k + 2]), S.NUMBER_WORDS.index(words[k + 5]))
+            for k in range(len(words)) if words[k] == "In" and words[k + 1] == "row"]
+
+
+@pytest.mark.parametrize("layout", list(S.LAYOUTS))
+def test_detailcaps_is_long_and_spatial(layout):
+    lay = S.LAYOUTS[layout]
+    lengths = []
     for i in range(40):
-        frames, text = S.render("detailcaps", 1, i)
-        assert len(frames) == 1 and frames[0].shape == (336, 336, 3)  # 24x24 patches -> 144 merged tokens
+        frames, text = S.render("detailcaps", 1, i, layout=layout)
+        # 28 px per merged visual token: (height/28) x (width/28) tokens
+        assert len(frames) == 1 and frames[0].shape == (lay.height, lay.width, 3)
+        assert lay.height % 28 == 0 and lay.width % 28 == 0
         lengths.append(len(text.split()))
-        n = text.count("In row")
-        assert S.DETAIL_MIN_OBJECTS <= n <= S.DETAIL_MAX_OBJECTS
-        objects.append(n)
-        # raster order: (row, column) pairs strictly increase
-        words = text.split()
-        cells = [(S.NUMBER_WORDS.index(words[k + 2]), S.NUMBER_WORDS.index(words[k + 5]))
-                 for k in range(len(words)) if words[k] == "In" and words[k + 1] == "row"]
-        assert cells == sorted(set(cells))
+        cells = _cells(text)
+        assert lay.min_objects <= len(cells) <= lay.max_objects
+        assert cells == sorted(set(cells))  # raster order, one object per cell
+        assert all(r < lay.rows and c < lay.cols for r, c in cells)
     assert np.mean(lengths) >= 100
-    assert min(objects) >= 8
 
 
-def test_each_object_is_drawn_in_its_cell():
-    frames, text = S.render("detailcaps", 2, 0)
+def test_v2_scenes_hold_a_long_prefix_and_more_objects_than_v1():
+    """The v2 layout's premise: at least 8x the 32-entry budget of visual tokens, and more objects."""
+    v1, v2 = S.LAYOUTS["v1"], S.LAYOUTS["v2"]
+    assert (v2.height // 28) * (v2.width // 28) >= 8 * 32 + 32  # prefix >= 256 after the 32-token window
+    assert v2.min_objects > v1.max_objects
+
+
+@pytest.mark.parametrize("layout", list(S.LAYOUTS))
+def test_each_object_is_drawn_in_its_cell(layout):
+    lay = S.LAYOUTS[layout]
+    frames, text = S.render("detailcaps", 2, 0, layout=layout)
     img = frames[0].astype(int)
     words = text.split()
-    for k in range(len(words)):
-        if words[k] == "In" and words[k + 1] == "row":
-            r, c = S.NUMBER_WORDS.index(words[k + 2]), S.NUMBER_WORDS.index(words[k + 5])
-            colour = words[k + 9]
-            cell = img[r * S.CELL:(r + 1) * S.CELL, c * S.CELL:(c + 1) * S.CELL]
-            hit = np.all(cell == np.array(S.COLOURS[colour]), axis=-1).sum()
-            assert hit > 30, (r, c, colour)
+    cells = _cells(text)
+    colours = [words[k + 9] for k in range(len(words)) if words[k] == "In" and words[k + 1] == "row"]
+    for (r, c), colour in zip(cells, colours):
+        cell = img[r * lay.cell:(r + 1) * lay.cell, c * lay.cell:(c + 1) * lay.cell]
+        hit = np.all(cell == np.array(S.COLOURS[colour]), axis=-1).sum()
+        assert hit > 30, (r, c, colour)
     # an empty cell is plain background
-    occupied = {(S.NUMBER_WORDS.index(words[k + 2]), S.NUMBER_WORDS.index(words[k + 5]))
-                for k in range(len(words)) if words[k] == "In" and words[k + 1] == "row"}
-    r, c = next((r, c) for r in range(4) for c in range(4) if (r, c) not in occupied)
-    cell = img[r * S.CELL + 12:(r + 1) * S.CELL - 12, c * S.CELL + 12:(c + 1) * S.CELL - 12]
+    r, c = next((r, c) for r in range(lay.rows) for c in range(lay.cols) if (r, c) not in set(cells))
+    cell = img[r * lay.cell + 12:(r + 1) * lay.cell - 12, c * lay.cell + 12:(c + 1) * lay.cell - 12]
     assert np.all(cell == np.array(S.BACKGROUND))
+
+
+def test_layouts_keep_video_and_tag_sample_ids():
+    assert S.render("video", 0, 3, layout="v1")[1] == S.render("video", 0, 3, layout="v2")[1]
+    assert S.make_record("detailcaps", 0, 1, layout="v2")["sample_id"] == "synthetic-v2-detailcaps-s0-0000001"
+    assert S.make_record("detailcaps", 0, 1, layout="v1")["sample_id"] == "synthetic-detailcaps-s0-0000001"
+    with pytest.raises(S.SyntheticError, match="layout"):
+        S.render("detailcaps", 0, 0, layout="v9")
 
 
 def test_textcaps_short_and_video_frames():
@@ -88,12 +108,13 @@ def test_textcaps_short_and_video_frames():
     assert not np.array_equal(frames[0], frames[-1]) or "stays" in vtext
 
 
-def test_vocabulary_covers_everything():
+@pytest.mark.parametrize("layout", list(S.LAYOUTS))
+def test_vocabulary_covers_everything(layout):
     vocab = set(S.vocabulary())
     for task in S.TASKS:
         assert set(S.canonical(S.PROMPTS[task]).split()) <= vocab
         for i in range(25):
-            _, text = S.render(task, 9, i)
+            _, text = S.render(task, 9, i, layout=layout)
             assert set(text.split()) <= vocab, set(text.split()) - vocab
             assert S.canonical(text) == text
 
@@ -104,7 +125,9 @@ def test_unknown_task_and_bad_args():
     with pytest.raises(S.SyntheticError, match="task"):
         list(data.synthetic_records("nope", 2))
     with pytest.raises(S.SyntheticError, match="n_objects"):
-        S.render("detailcaps", 0, 0, n_objects=17)
+        S.render("detailcaps", 0, 0, n_objects=17, layout="v1")  # 16 cells
+    with pytest.raises(S.SyntheticError, match="n_objects"):
+        S.render("detailcaps", 0, 0, n_objects=21, layout="v2")  # 20 cells
     with pytest.raises(S.SyntheticError, match="seed"):
         S.render("video", -1, 0)
 

@@ -316,9 +316,10 @@ def save_assets(model, processor, out: Path):
 def _atomic_torch_save(obj, path: Path):
     import torch
 
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    from rcr.fileio import atomic_path
+
+    with atomic_path(path) as fh:
+        torch.save(obj, fh)
 
 
 def main(argv=None):
@@ -345,6 +346,9 @@ def main(argv=None):
     ap.add_argument("--init-from", default=None,
                     help="start from the weights of a saved model dir (same tokenizer), e.g. a previous phase")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint in --run-dir")
+    ap.add_argument("--export", default=None, metavar="DIR",
+                    help="save the checkpoint in --run-dir as a model directory at DIR and exit (no training): "
+                         "look at a run while it trains, e.g. with jobs/eval_embedded.py --model DIR")
     args = ap.parse_args(argv)
 
     import torch
@@ -399,6 +403,13 @@ def main(argv=None):
         opt.load_state_dict(ck["opt"])
         step, elapsed_before = ck["step"], ck["elapsed"]
         print(f"resumed from {ckpt_path} at step {step} ({elapsed_before / 60:.1f} min trained)", flush=True)
+    if args.export:
+        if not ckpt_path.exists():
+            raise SystemExit(f"--export: no checkpoint at {ckpt_path} (check --run-dir)")
+        model.eval()
+        save_assets(model.to("cpu").float(), processor, Path(args.export))
+        print(f"exported step {step} to {args.export}", flush=True)
+        return
     print(f"model: {n_params / 1e6:.2f} M params ({n_params * 4 / 2**20:.1f} MB fp32), device {device}, "
           f"threads {torch.get_num_threads()}, steps {args.steps}", flush=True)
 

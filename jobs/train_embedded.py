@@ -4,9 +4,10 @@ Everything is built locally (word-level tokenizer over the grammar, Qwen2-VL pro
 template, a tiny ``Qwen2VLForConditionalGeneration``) and saved in Hugging Face format, so the result
 loads offline with ``from_pretrained(<dir>)`` and runs through the same code paths as Qwen2-VL-7B.
 
-    python jobs/train_embedded.py                       # CPU: 18000 steps at 0.33-0.51 s each on 2 cores; resumes by itself
+    python jobs/train_embedded.py                       # the v2 recipe (9000 steps, v2 scenes); CPU, resumes by itself
     python jobs/train_embedded.py --device cuda         # minutes on a GPU
     python jobs/train_embedded.py --minutes 2 --out runs/smoke --run-dir runs/smoke   # smoke run
+    python jobs/train_embedded.py --export runs/peek    # a running run's last checkpoint, as a model directory
 
 Training data is a pure function of (--seed, step): batch ``s`` always holds the same samples, so a
 run that is interrupted and resumed from its last checkpoint (written every --ckpt-minutes into
@@ -331,7 +332,7 @@ def main(argv=None):
     ap.add_argument("--size", default="mini", choices=sorted(MODEL_SIZES))
     ap.add_argument("--layout", default="v2", choices=sorted(S.LAYOUTS),
                     help="scene layout of detailcaps/textcaps (pipeline/synthetic.py LAYOUTS)")
-    ap.add_argument("--steps", type=int, default=18000, help="optimizer steps (the shipped model saw 18000)")
+    ap.add_argument("--steps", type=int, default=9000, help="optimizer steps of the v2 recipe")
     ap.add_argument("--minutes", type=float, default=None,
                     help="stop (and save) after this many minutes of this process; for smoke runs")
     ap.add_argument("--stop-after", type=int, default=None,

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         import tempfile
 
         from rcr.calibrate_infinigen import calibrate
-        from rcr.methods.infinigen import save_calibration
+        from rcr.skewing import save_calibration
 
         base = os.path.dirname(os.path.abspath(args.json)) if args.json else tempfile.mkdtemp(prefix="rcr-bench-")
         calib = os.path.join(base, "infinigen_calibration")

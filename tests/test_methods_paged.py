@@ -12,16 +12,10 @@ import rcr
 from rcr.cache import PrefixStore
 from rcr.methods import parse_method
 from rcr.methods.arkvale import cuboid_mean_digest
-from rcr.methods.infinigen import (
-    InfiniGen,
-    check_orthogonal,
-    load_calibration,
-    partial_columns,
-    project_query,
-    save_calibration,
-    skew_from_grams,
-)
-from rcr.methods.quest import PageLayout, bound_scores, page_bounds, select_pages
+from rcr.methods.infinigen import InfiniGen, project_query
+from rcr.pages import PageLayout, bound_scores, page_bounds, page_order_scores
+from rcr.scoring import top_sorted
+from rcr.skewing import check_orthogonal, load_calibration, partial_columns, save_calibration, skew_from_grams
 
 SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3, page_size=4)
 
@@ -80,12 +74,12 @@ def test_quest_selection_is_the_union_of_the_top_pages():
     assert layout.n_pages == 5
     assert layout.page_len.tolist() == [[8, 8, 8, 8, 8], [8, 8, 8, 8, 5]]
     scores = torch.tensor([[[0.0, 5.0, 1.0, 4.0, 2.0]], [[0.0, 1.0, 2.0, 3.0, 9.0]]])  # (B, H=1, P)
-    sel = select_pages(scores, layout, 16, valid[:, : N - W])
+    sel = top_sorted(page_order_scores(scores, layout, valid[:, : N - W]), 16)
     assert sel[0, 0].tolist() == list(range(8, 16)) + list(range(24, 32))  # pages 1 and 3
     # sample 1: page 4 (5 entries, 35..39) + page 3 (27..34) + 3 slots from page 2, in position order (19..21)
     assert sel[1, 0].tolist() == [19, 20, 21] + list(range(27, 40))
     # every page fits: every entry is selected (sample 1's 3 padding entries fill the 3 spare slots)
-    all_sel = select_pages(scores, layout, 40, valid[:, : N - W])
+    all_sel = top_sorted(page_order_scores(scores, layout, valid[:, : N - W]), 40)
     assert all_sel[0, 0].tolist() == all_sel[1, 0].tolist() == list(range(40))
 
 

@@ -17,7 +17,7 @@ from rcr.controller import RateController
 from rcr.generate import build_cache
 from rcr.methods import RCR, parse_method
 from rcr.methods.exact import Exact
-from rcr.methods.bacon import bacon_layer_scores
+from rcr.bacon_score import bacon_layer_scores
 
 SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
 

@@ -51,7 +51,7 @@ class RCRConfig:
     # Quest: page bound U_p(q) = sum_i max(q_i M_i, q_i m_i), reduced over the G query heads of a KV head:
     # "max" (default: U stays an upper bound on max q.k over the whole group) or "mean".
     quest_reduction: str = "max"
-    # ArkVale decision rule (docs/algorithms.md, "arkvale"): "recall" (default) = the top capacity//2 pages by digest
+    # ArkVale decision rule (docs/algorithms.md): "recall" (default) = the top capacity//2 pages by digest
     # (1 of 2 at the paper's budget) must be resident, missing ones are recalled and the lowest-ranked resident
     # pages evicted, other resident pages stay; "topk" = keep the top `capacity` pages by digest each step.
     arkvale_rule: str = "recall"

@@ -287,7 +287,8 @@ class _AnswerAttentionRecorder:
 
 @torch.no_grad()
 def answer_attention_scores(model, prefix: PrefixStore, full: GenerationResult) -> list[torch.Tensor]:
-    """Per layer (B, Hkv, Np): attention of the uncompressed answer on the prefix (docs/algorithms.md, "prefill_oracle")."""
+    """Per layer (B, Hkv, Np): attention of the uncompressed answer on the prefix (docs/algorithms.md,
+    "prefill_oracle")."""
     dev = prefix.valid.device
     answer = full.sequences.to(dev)
     T = answer.shape[1]

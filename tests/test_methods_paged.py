@@ -1,4 +1,4 @@
-"""Quest, ArkVale, InfiniGen and rcr_layer: the scoring rules of spec §4.3-4.5 on random tensors, their
+"""Quest, ArkVale, InfiniGen and rcr_layer: the scoring rules of docs/algorithms.md on random tensors, their
 selections, InfiniGen's skew and speculation, per-layer thresholds, and no host sync in their decode steps.
 (Budget >= prefix equivalence for every registered method is in test_equivalence.py.)"""
 

@@ -1,4 +1,5 @@
-"""``rcr``: Rate-Controlled Refresh (spec §3), and ``fixed``, the same with a constant threshold (§3.6).
+"""``rcr``: Rate-Controlled Refresh, and ``fixed``, the same with a constant threshold (docs/algorithms.md,
+"rcr" and "fixed").
 
 Per decode layer-step, before attention, with the current post-RoPE query q:
 1. drift = attention mass on evicted prefix entries, with approximate logits (rank-r detector) for the

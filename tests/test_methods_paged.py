@@ -10,7 +10,8 @@ from test_rcr_core import forbid_host_sync
 
 import rcr
 from rcr.cache import PrefixStore
-from rcr.methods import parse_method
+from rcr.generate import build_cache
+from rcr.methods import ScorerMethod, parse_method
 from rcr.methods.arkvale import cuboid_mean_digest
 from rcr.methods.infinigen import InfiniGen, project_query
 from rcr.pages import PageLayout, bound_scores, page_bounds, page_order_scores
@@ -235,6 +236,42 @@ def test_infinigen_layer0_rules(qwen):
     r = rcr.decode(model, prefix, parse_method("infinigen", SMALL), 5, eos_token_id=[])
     assert (r.telemetry.trigger == 1).all()
     np.testing.assert_allclose(r.telemetry.detector_dots[0], prefix.prefix_valid[0].sum().item() * 8 / 32)
+
+
+# ------------------------------------------------------------------------------------------ scorer base
+
+class Latest(ScorerMethod):
+    """Scores the prefix by position (the S latest valid entries win); no score at layer 0."""
+
+    name = "latest"
+
+    def score(self, ctx):
+        if ctx.layer == 0:
+            return None
+        p = ctx.prefix
+        pos = torch.arange(p.n_prefix, dtype=torch.float32).expand(p.batch_size, p.n_kv_heads, p.n_prefix)
+        return pos.masked_fill(~p.prefix_valid.unsqueeze(1), float("-inf"))
+
+
+def test_scorer_base_turns_any_score_into_a_top_s_refresh_and_counts_its_reads(qwen):
+    """The ScorerMethod base owns the decision: every layer-step, the top S of the method's score, merged
+    under an all-true trigger and counted as S key + S value reads; no score means no refresh and no reads."""
+    model, _, prefix = qwen
+    m = Latest(config=SMALL)
+    initial = [layer.selection.clone() for layer in build_cache(m, prefix, 5).layers]
+    dec = rcr.Decoder(model, prefix, m, max_new_tokens=5, eos_token_id=[])
+    dec.run()
+    r = dec.result(0.0, 0.0)
+    S, Np = SMALL.selected, prefix.n_prefix
+    latest = torch.arange(Np - S, Np).expand(prefix.batch_size, prefix.n_kv_heads, S)
+    assert torch.equal(dec.cache.layers[0].selection, initial[0])  # layer 0: BACON's selection stays
+    assert not torch.equal(initial[1], latest)
+    for layer in dec.cache.layers[1:]:
+        assert torch.equal(layer.selection, latest)
+    tel = r.telemetry
+    assert (tel.trigger[:, 0] == 0).all() and (tel.keys_read[:, 0] == 0).all()
+    assert (tel.trigger[:, 1:] == 1).all() and (tel.keys_read[:, 1:] == S).all() and (tel.values_read[:, 1:] == S).all()
+    assert r.cost == {"keys_per_refresh": S, "values_per_refresh": S}
 
 
 # --------------------------------------------------------------------------------------------- rcr_layer

@@ -9,7 +9,7 @@ the same samples (batch 1 each) with the paper's budget: 32 selected + 32 window
 pages of 16. Reads are counted per KV head and layer-step, as the telemetry records them (the deployment
 accounting: what a step must bring from the prefix store).
 
-Cost model (seed/rcr-paper-summary.txt, spec §3-4), per KV head and step:
+Cost model (the RCR paper; docs/algorithms.md, "Cost per decode step"), per KV head and step:
 - rcr / fixed / rcr_layer: 160·r vector reads (128 candidate keys + 32 values when the layer refreshes, r the
   refresh fraction); detector Np·rank/d dot products (Np/16 at d=128, rank 8).
 - quest / arkvale / infinigen: 64 vectors (32 keys + 32 values); summaries of 2 vectors per page (Np/8) for
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         import tempfile
 
         from rcr.calibrate_infinigen import calibrate
-        from rcr.methods.infinigen import save_calibration
+        from rcr.skewing import save_calibration
 
         base = os.path.dirname(os.path.abspath(args.json)) if args.json else tempfile.mkdtemp(prefix="rcr-bench-")
         calib = os.path.join(base, "infinigen_calibration")

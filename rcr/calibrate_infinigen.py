@@ -1,4 +1,4 @@
-"""Offline InfiniGen calibration on the target model's own prompts (spec §4.5, adapted to VLMs).
+"""Offline InfiniGen calibration on the target model's own prompts (docs/algorithms.md, "infinigen").
 
     python -m rcr.calibrate_infinigen --model PATH --out DIR [--images DIR] [--n 8] [--prompt TEXT]
 
@@ -6,9 +6,9 @@ Runs the model's prefill on image + text prompts (synthetic scenes of coloured s
 dataset is assumed; or the images of ``--images``) with the task prompt, records post-RoPE queries and keys of
 every layer, and writes per layer and KV head the skew matrix A (Hkv, d, d) and the partial columns (Hkv, c)
 to DIR/infinigen.safetensors, plus DIR/calibration.json with the exact command, the model, the prompts and
-the library versions. Point ``RCRConfig.infinigen_calibration`` at DIR. Two passes over the prompts: the Gram
-matrices Q^T Q and K^T K first (memory does not grow with the prompt count), then sum |QA| and |KA| for the
-partial columns.
+the library versions (``rcr.skewing`` holds the file format, the writer and the reader). Point
+``RCRConfig.infinigen_calibration`` at DIR. Two passes over the prompts: the Gram matrices Q^T Q and K^T K
+first (memory does not grow with the prompt count), then sum |QA| and |KA| for the partial columns.
 """
 
 from __future__ import annotations
@@ -24,13 +24,8 @@ import numpy as np
 import torch
 
 from .attention import rcr_attention_enabled
-from .methods.infinigen import (
-    check_orthogonal,
-    partial_columns,
-    save_calibration,
-    skew_from_grams,
-)
 from .models import PROMPTS, adapter_for, build_inputs, geometry
+from .skewing import check_orthogonal, n_partial, partial_columns, save_calibration, skew_from_grams
 
 
 def synthetic_scene(seed: int, size: int = 448):
@@ -101,7 +96,7 @@ def calibrate(model, inputs_list: list, partial_ratio: float = 0.25) -> tuple[li
         check_orthogonal(a, f"skew matrix of layer {layer}")
     rec2 = _Recorder(geo.n_kv_heads, skews)
     _run(model, inputs_list, rec2)
-    c = max(1, round(partial_ratio * geo.head_dim))
+    c = n_partial(partial_ratio, geo.head_dim)
     cols = [partial_columns(*rec2.acc[layer], c).cpu() for layer in range(geo.n_layers)]
     stats = {"n_prompts": len(inputs_list), "n_tokens": rec.tokens, "partial_columns": c,
              "n_layers": geo.n_layers, "n_kv_heads": geo.n_kv_heads, "head_dim": geo.head_dim}

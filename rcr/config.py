@@ -1,15 +1,13 @@
 """One typed configuration for every method, validated before any model work.
 
-Defaults are the paper's values (seed/rcr-paper-summary.txt) and BACON's released defaults
-(spec/algorithms.md §2). Where the paper is silent the default is the project's recorded decision
-(DESIGN.md, "Decisions"), and the alternative is a field here.
+Defaults are the RCR paper's values and BACON's released defaults. Where a paper is silent the default is the
+project's recorded decision (docs/algorithms.md, "Decisions where the papers are open"), and the alternative is
+a field here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
 
 
@@ -45,7 +43,7 @@ class RCRConfig:
     bacon_eps: float = 1e-8
     # --- prefill oracle: average-pool the answer-attention scores like BACON (kernel 5) before top-k ---
     oracle_pool: bool = False
-    # --- page-based baselines, Quest and ArkVale (spec §4.3-4.4), on the prefix region only ---
+    # --- page-based baselines, Quest and ArkVale (docs/algorithms.md), on the prefix region only ---
     # tokens per page; pages start at each sample's first valid prefix token, the last page may be partial.
     # Pages kept per step = ceil(min(selected, Np) / page_size): 2 at the paper's budget (32 slots), with no
     # 3-page minimum; when partial pages leave slots free, the next-ranked page fills them.
@@ -53,14 +51,14 @@ class RCRConfig:
     # Quest: page bound U_p(q) = sum_i max(q_i M_i, q_i m_i), reduced over the G query heads of a KV head:
     # "max" (default: U stays an upper bound on max q.k over the whole group) or "mean".
     quest_reduction: str = "max"
-    # ArkVale decision rule (spec §4.4, "Adaptation"): "recall" (default) = the top capacity//2 pages by digest
+    # ArkVale decision rule (docs/algorithms.md): "recall" (default) = the top capacity//2 pages by digest
     # (1 of 2 at the paper's budget) must be resident, missing ones are recalled and the lowest-ranked resident
     # pages evicted, other resident pages stay; "topk" = keep the top `capacity` pages by digest each step.
     arkvale_rule: str = "recall"
     # ArkVale page ranking: "kv" = one ranking per KV head, mean over its G query heads (n_groups = Hkv,
     # default); "layer" = one ranking per layer shared by every head (ArkVale's code default n_groups = 1).
     arkvale_groups: str = "kv"
-    # --- InfiniGen (spec §4.5) ---
+    # --- InfiniGen (docs/algorithms.md, "infinigen") ---
     # partial columns per KV head = round(ratio * d), so the GPU holds Np * ratio key equivalents (paper: Np/4)
     infinigen_partial_ratio: float = 0.25
     # directory written by `python -m rcr.calibrate_infinigen` (skew matrices + partial columns per layer and
@@ -146,7 +144,3 @@ class RCRConfig:
         if unknown:
             raise ConfigError(f"RCRConfig has no field(s) {sorted(unknown)}")
         return cls(**d)
-
-    def hash(self) -> str:
-        """Short stable hash of every field, for keying outputs."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]

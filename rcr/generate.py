@@ -79,6 +79,7 @@ class DecodeSession:
         cfg = method.config
         self.exact_stats = (cfg.exact_drift or telemetry.top_prefix_pos is not None) and prefix.n_prefix > 0
         self.decides = method.reselects and prefix.n_prefix > 0
+        self.cost = method.cost_model(prefix, state)  # read once: reads per refresh, for the telemetry
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         layer = module.layer_idx
@@ -90,7 +91,7 @@ class DecodeSession:
                                                prefix=self.method_prefix, state=self.state,
                                                config=self.method.config, reader=self.reader))
             self.method.merge(res, d)
-            self.tel.record_decision(layer, self.step, d)
+            self.tel.record_decision(layer, self.step, d, self.cost)
         valid = res.resident_valid if self.masked else None
         return attend(query, res.resident_keys, res.resident_values, valid, scaling), None
 
@@ -238,7 +239,7 @@ class Decoder:
         return GenerationResult(label=self.method.label, sequences=tokens, lengths=first_eos,
                                 telemetry=self.tel.to_host(),
                                 prefix_len=self.prefix.prefix_valid.sum(-1).cpu().numpy(),
-                                prefill_s=prefill_s, decode_s=decode_s, cost=self.method.cost_model(self.prefix),
+                                prefill_s=prefill_s, decode_s=decode_s, cost=self.session.cost,
                                 offload=self.offload)
 
 
@@ -286,7 +287,8 @@ class _AnswerAttentionRecorder:
 
 @torch.no_grad()
 def answer_attention_scores(model, prefix: PrefixStore, full: GenerationResult) -> list[torch.Tensor]:
-    """Per layer (B, Hkv, Np): attention of the uncompressed answer on the prefix (prefill oracle, spec §4.1)."""
+    """Per layer (B, Hkv, Np): attention of the uncompressed answer on the prefix (docs/algorithms.md,
+    "prefill_oracle")."""
     dev = prefix.valid.device
     answer = full.sequences.to(dev)
     T = answer.shape[1]

@@ -1,5 +1,5 @@
 """How prefix entries reach the device: a resident gather (GPU-only mode) or trigger-conditioned reads from
-host memory (deployment mode, the paper's §7 as far as the summary describes it).
+host memory (deployment mode; docs/algorithms.md, "Offload mode").
 
 A re-selecting method reads the prefix store only through a reader (``StepContext.reader``):
 

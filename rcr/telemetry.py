@@ -34,12 +34,14 @@ class Telemetry:
         # written on the host by the offload reader (rcr.offload.HostReader); zeros in GPU-only mode
         self.bytes_moved = np.zeros((batch, layers, steps), dtype=np.float64)
 
-    def record_decision(self, layer: int, step: int, d) -> None:
+    def record_decision(self, layer: int, step: int, d, cost: dict) -> None:
+        """One layer-step's ``Decision``; ``cost`` is the method's cost model (reads per refresh)."""
         trig = d.trigger.float()
         frac = trig.mean(-1) if trig.dim() == 2 else trig  # (B,)
         self.trigger[:, layer, step] = frac
-        self.keys_read[:, layer, step] = frac * d.keys_per_refresh if d.keys_read is None else d.keys_read
-        self.values_read[:, layer, step] = frac * d.values_per_refresh if d.values_read is None else d.values_read
+        self.keys_read[:, layer, step] = frac * cost["keys_per_refresh"] if d.keys_read is None else d.keys_read
+        self.values_read[:, layer, step] = (frac * cost["values_per_refresh"] if d.values_read is None
+                                            else d.values_read)
         if d.drift is not None:
             self.drift[:, layer, step] = d.drift
         if d.tau is not None:

@@ -1,4 +1,4 @@
-"""Quest, ArkVale, InfiniGen and rcr_layer: the scoring rules of spec §4.3-4.5 on random tensors, their
+"""Quest, ArkVale, InfiniGen and rcr_layer: the scoring rules of docs/algorithms.md on random tensors, their
 selections, InfiniGen's skew and speculation, per-layer thresholds, and no host sync in their decode steps.
 (Budget >= prefix equivalence for every registered method is in test_equivalence.py.)"""
 
@@ -10,18 +10,13 @@ from test_rcr_core import forbid_host_sync
 
 import rcr
 from rcr.cache import PrefixStore
-from rcr.methods import parse_method
+from rcr.generate import build_cache
+from rcr.methods import ScorerMethod, parse_method
 from rcr.methods.arkvale import cuboid_mean_digest
-from rcr.methods.infinigen import (
-    InfiniGen,
-    check_orthogonal,
-    load_calibration,
-    partial_columns,
-    project_query,
-    save_calibration,
-    skew_from_grams,
-)
-from rcr.methods.quest import PageLayout, bound_scores, page_bounds, select_pages
+from rcr.methods.infinigen import InfiniGen, project_query
+from rcr.pages import PageLayout, bound_scores, page_bounds, page_order_scores
+from rcr.scoring import top_sorted
+from rcr.skewing import check_orthogonal, load_calibration, partial_columns, save_calibration, skew_from_grams
 
 SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3, page_size=4)
 
@@ -80,12 +75,12 @@ def test_quest_selection_is_the_union_of_the_top_pages():
     assert layout.n_pages == 5
     assert layout.page_len.tolist() == [[8, 8, 8, 8, 8], [8, 8, 8, 8, 5]]
     scores = torch.tensor([[[0.0, 5.0, 1.0, 4.0, 2.0]], [[0.0, 1.0, 2.0, 3.0, 9.0]]])  # (B, H=1, P)
-    sel = select_pages(scores, layout, 16, valid[:, : N - W])
+    sel = top_sorted(page_order_scores(scores, layout, valid[:, : N - W]), 16)
     assert sel[0, 0].tolist() == list(range(8, 16)) + list(range(24, 32))  # pages 1 and 3
     # sample 1: page 4 (5 entries, 35..39) + page 3 (27..34) + 3 slots from page 2, in position order (19..21)
     assert sel[1, 0].tolist() == [19, 20, 21] + list(range(27, 40))
     # every page fits: every entry is selected (sample 1's 3 padding entries fill the 3 spare slots)
-    all_sel = select_pages(scores, layout, 40, valid[:, : N - W])
+    all_sel = top_sorted(page_order_scores(scores, layout, valid[:, : N - W]), 40)
     assert all_sel[0, 0].tolist() == all_sel[1, 0].tolist() == list(range(40))
 
 
@@ -241,6 +236,42 @@ def test_infinigen_layer0_rules(qwen):
     r = rcr.decode(model, prefix, parse_method("infinigen", SMALL), 5, eos_token_id=[])
     assert (r.telemetry.trigger == 1).all()
     np.testing.assert_allclose(r.telemetry.detector_dots[0], prefix.prefix_valid[0].sum().item() * 8 / 32)
+
+
+# ------------------------------------------------------------------------------------------ scorer base
+
+class Latest(ScorerMethod):
+    """Scores the prefix by position (the S latest valid entries win); no score at layer 0."""
+
+    name = "latest"
+
+    def score(self, ctx):
+        if ctx.layer == 0:
+            return None
+        p = ctx.prefix
+        pos = torch.arange(p.n_prefix, dtype=torch.float32).expand(p.batch_size, p.n_kv_heads, p.n_prefix)
+        return pos.masked_fill(~p.prefix_valid.unsqueeze(1), float("-inf"))
+
+
+def test_scorer_base_turns_any_score_into_a_top_s_refresh_and_counts_its_reads(qwen):
+    """The ScorerMethod base owns the decision: every layer-step, the top S of the method's score, merged
+    under an all-true trigger and counted as S key + S value reads; no score means no refresh and no reads."""
+    model, _, prefix = qwen
+    m = Latest(config=SMALL)
+    initial = [layer.selection.clone() for layer in build_cache(m, prefix, 5).layers]
+    dec = rcr.Decoder(model, prefix, m, max_new_tokens=5, eos_token_id=[])
+    dec.run()
+    r = dec.result(0.0, 0.0)
+    S, Np = SMALL.selected, prefix.n_prefix
+    latest = torch.arange(Np - S, Np).expand(prefix.batch_size, prefix.n_kv_heads, S)
+    assert torch.equal(dec.cache.layers[0].selection, initial[0])  # layer 0: BACON's selection stays
+    assert not torch.equal(initial[1], latest)
+    for layer in dec.cache.layers[1:]:
+        assert torch.equal(layer.selection, latest)
+    tel = r.telemetry
+    assert (tel.trigger[:, 0] == 0).all() and (tel.keys_read[:, 0] == 0).all()
+    assert (tel.trigger[:, 1:] == 1).all() and (tel.keys_read[:, 1:] == S).all() and (tel.values_read[:, 1:] == S).all()
+    assert r.cost == {"keys_per_refresh": S, "values_per_refresh": S}
 
 
 # --------------------------------------------------------------------------------------------- rcr_layer

@@ -1,5 +1,5 @@
 """RCR mechanics: masked merge vs a branching reference, refresh layout, controller, counters, host syncs,
-drift estimate quality, BACON against the spec, config validation."""
+drift estimate quality, BACON against an independent float64 reference, config validation."""
 
 import contextlib
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ from rcr.controller import RateController
 from rcr.generate import build_cache
 from rcr.methods import RCR, parse_method
 from rcr.methods.exact import Exact
-from rcr.methods.bacon import bacon_layer_scores
+from rcr.bacon_score import bacon_layer_scores
 
 SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
 
@@ -228,7 +228,7 @@ def test_estimated_drift_tracks_exact_drift(qwen_prefix):
     assert spearmanr(est, exact).statistic >= 0.8
 
 
-# ------------------------------------------------------------------------------------------ BACON vs spec
+# ----------------------------------------------------------------------------- BACON vs a float64 reference
 
 def _pool_ref(x, k=5):
     pad = k // 2
@@ -237,7 +237,7 @@ def _pool_ref(x, k=5):
 
 
 def bacon_reference(qs, ks, capacity, w):
-    """Spec §2.1 written directly in numpy float64, layer by layer. Returns the top-`capacity` index set per
+    """BACON (docs/algorithms.md, "bacon") written directly in numpy float64, layer by layer. Returns the top-`capacity` index set per
     layer and KV head."""
     out, E_hist = [], []
     for q, k in zip(qs, ks):
@@ -267,7 +267,7 @@ def bacon_reference(qs, ks, capacity, w):
     return out
 
 
-def test_bacon_matches_spec_reference():
+def test_bacon_matches_float64_reference():
     rng = np.random.default_rng(1)
     hq, hkv, d, n, w, cap = 4, 2, 16, 60, 8, 6
     qs = [rng.normal(size=(hq, w, d)) * 2 for _ in range(7)]

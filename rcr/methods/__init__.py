@@ -4,16 +4,17 @@ baseline at a given tau (the cost/quality sweep)."""
 from __future__ import annotations
 
 from ..config import ConfigError, RCRConfig
+from .arkvale import ArkVale
 from .bacon import Bacon
 from .base import BuildContext, Decision, Method, StepContext
 from .exact import Exact
 from .full import Full
 from .infinigen import InfiniGen
-from .arkvale import ArkVale
 from .prefill_oracle import PrefillOracle
 from .quest import Quest
 from .rcr import RCR, Fixed
 from .rcr_layer import RCRLayer
+from .scorer import ScorerMethod
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Bacon, PrefillOracle, Exact, Fixed, RCR, RCRLayer,
                                                         Quest, ArkVale, InfiniGen)}
@@ -41,5 +42,5 @@ def parse_method(label: str, config: RCRConfig | None = None) -> Method:
     return Fixed(config=config, label=label, tau=tau)
 
 
-__all__ = ["METHODS", "parse_method", "Method", "Decision", "StepContext", "BuildContext",
+__all__ = ["METHODS", "parse_method", "Method", "ScorerMethod", "Decision", "StepContext", "BuildContext",
            "Full", "Bacon", "PrefillOracle", "Exact", "Fixed", "RCR", "RCRLayer", "Quest", "ArkVale", "InfiniGen"]

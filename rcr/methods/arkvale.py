@@ -1,37 +1,32 @@
-"""``arkvale``: page recall by digest (Chen et al., NeurIPS'24; spec §4.4), held to RCR's budget.
+"""``arkvale``: page recall by digest (Chen et al., NeurIPS'24), held to RCR's budget (docs/algorithms.md,
+"arkvale").
 
-Pages of ``config.page_size`` (16) prefix tokens, laid out as for Quest (``quest.PageLayout``). Each page's
-digest is ArkVale's "cuboid-mean" box (``InferState._summarize_keys``):
+Each page's digest is ArkVale's "cuboid-mean" box (``InferState._summarize_keys``):
 
     c = (max_k k + min_k k) / 2,   r = mean_k |c - k|,   b_max = c + r,   b_min = c - r,
 
-and a page's importance for query head j is I_p = sum_i max(q_ji b_max,i, q_ji b_min,i) (the Quest form on a
-shrunken box), averaged over the G query heads of a KV head (``config.arkvale_groups="kv"``, n_groups = Hkv:
-pages are recalled per KV head) or over all query heads of the layer ("layer", ArkVale's n_groups = 1).
+and a page's importance for query head j is I_p = sum_i max(q_ji b_max,i, q_ji b_min,i), averaged over the G
+query heads of a KV head (``config.arkvale_groups="kv"``) or over all query heads of the layer ("layer").
 
-The resident part is a paged cache of capacity C = ceil(S / page_size) pages (2 at the paper's budget).
-Decision rule, ``config.arkvale_rule``:
-- ``"recall"`` (default, ArkVale's mechanism): each step the top C//2 pages by digest (at least 1: "topk=1" at
-  the paper's budget) must be resident. Missing ones are recalled from the prefix store and the
-  lowest-ranked resident pages are evicted; the other resident pages stay. The paged cache starts empty at
-  decode step 0 (BACON's token selection is not page-aligned), so step 0 recalls the top C pages.
-- ``"topk"``: keep the top C pages by digest each step (Quest's rule with ArkVale's digest).
-
-Every layer, every step. Reads are counted as ArkVale pays them: only the entries of recalled pages (keys and
-values), so ``keys_read`` is data dependent and at most S; the trigger records, per KV head, whether anything
-was recalled. Digest storage: 2 vectors per page (``detector_dots`` = 2 * pages per query vector).
+The resident part is a paged cache of C = ceil(S / page_size) pages. ``config.arkvale_rule``: "recall" (each
+step the top max(1, C//2) pages must be resident: missing ones are recalled, the lowest-ranked resident pages
+evicted, the others stay; the paged cache starts empty at step 0) or "topk" (the top C pages each step).
+Reads are what ArkVale pays, the entries of recalled pages, so ``keys_read`` is measured (at most S), and the
+trigger records, per KV head, whether anything was recalled. Digests: 2 vectors per page on the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..cache import PrefixStore
+from ..pages import PageLayout, bound_scores, n_pages_kept, page_bounds, page_order_scores
 from ..scoring import NEG_INF, group_queries
-from .base import Decision, Method, StepContext
-from .quest import PageLayout, bound_scores, n_pages_kept, page_bounds, select_pages
+from .base import Decision, StepContext
+from .scorer import ScorerMethod
 
 
 def cuboid_mean_digest(keys: torch.Tensor, layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +51,8 @@ class ArkValeState:
 
 
 @dataclass
-class ArkVale(Method):
+class ArkVale(ScorerMethod):
     name = "arkvale"
-    reselects = True
 
     def init_state(self, prefix: PrefixStore) -> ArkValeState:
         layout = PageLayout.build(prefix, self.config.page_size)
@@ -70,15 +64,19 @@ class ArkVale(Method):
         p, st = ctx.prefix, ctx.state
         hi, lo = st.digests[ctx.layer]
         s = bound_scores(group_queries(ctx.query, p.n_kv_heads), hi, lo)  # (B, Hkv, G, P)
-        s = s.mean(dim=2) if self.config.arkvale_groups == "kv" else s.mean(dim=(1, 2)).unsqueeze(1).expand_as(s[:, :, 0])
+        if self.config.arkvale_groups == "kv":
+            s = s.mean(dim=2)  # one ranking per KV head
+        else:
+            s = s.mean(dim=(1, 2)).unsqueeze(1).expand_as(s[:, :, 0])  # one ranking per layer, shared
         return s.masked_fill(~st.layout.page_valid.unsqueeze(1), NEG_INF)
 
-    def decide(self, ctx: StepContext) -> Decision:
-        p, st, res = ctx.prefix, ctx.state, ctx.resident
-        layout, S = st.layout, res.n_selected
+    def score(self, ctx: StepContext) -> torch.Tensor:
+        """Entries of the pages the paged cache holds after this step, best page first; records them."""
+        st = ctx.state
+        layout = st.layout
         score = self.page_scores(ctx)
         B, H, P = score.shape
-        cap = n_pages_kept(S, layout.page_size)
+        cap = n_pages_kept(ctx.resident.n_selected, layout.page_size)
         valid = layout.page_valid.unsqueeze(1).expand(B, H, P)
         if self.config.arkvale_rule == "recall":
             # lexicographic priority: pages that must be resident, then pages already resident, then the rest;
@@ -94,17 +92,21 @@ class ArkVale(Method):
             key = score.double()
         order = key.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
         st.resident[ctx.layer] = (order < cap) & valid
-        sel = select_pages(key, layout, S, p.prefix_valid)
+        return page_order_scores(key, layout, ctx.prefix.prefix_valid)
 
+    def detector_dots(self, ctx: StepContext) -> torch.Tensor:
+        return 2.0 * ctx.state.n_valid_pages
+
+    def decide(self, ctx: StepContext) -> Decision:
+        """The base's top-S decision, with ArkVale's accounting: only recalled entries are read, and the
+        trigger (per KV head) says whether anything was recalled."""
+        p, res = ctx.prefix, ctx.resident
+        d = super().decide(ctx)
+        sel = d.selection
+        B, H, Np = *sel.shape[:2], p.n_prefix
         # recalls: selected entries that were not resident before this step (the only prefix reads)
-        Np = p.n_prefix
         was_in = torch.zeros(B, H, Np, dtype=torch.bool, device=sel.device).scatter_(2, res.selection, True)
         tok_valid = torch.gather(p.prefix_valid.unsqueeze(1).expand(B, H, Np), 2, sel)
         recalled = (tok_valid & ~torch.gather(was_in, 2, sel)).sum(-1)  # (B, Hkv)
         reads = recalled.float().mean(-1)  # (B,) per KV head
-        return Decision(trigger=recalled > 0, selection=sel, keys_read=reads, values_read=reads,
-                        detector_dots=2.0 * st.n_valid_pages, **self.cost_model(p))
-
-    def cost_model(self, prefix) -> dict:
-        s = self.n_selected(prefix)  # upper bound per step: a full recall of the capacity
-        return {"keys_per_refresh": s, "values_per_refresh": s}
+        return dataclasses.replace(d, trigger=recalled > 0, keys_read=reads, values_read=reads)

@@ -1,10 +1,14 @@
 """The method interface. The base class owns the mechanics; a method overrides one or two decisions.
 
 - ``initial_scores``: scores over the prefix region at prefill; the top ``selected`` become resident.
-  Default: BACON (spec §2). ``None`` keeps the whole prefix (``full``).
+  Default: BACON (``rcr.bacon_score``; docs/algorithms.md, "bacon"). ``None`` keeps the whole prefix (``full``).
 - ``decide``: at every decode layer-step (before attention, with the current post-RoPE query), return a
   :class:`Decision`: a trigger and a candidate selection. The base merges it under the trigger mask
   (``ResidentLayer.refresh``) and records telemetry. Static methods do not override it.
+- ``score``, for a ``ScorerMethod`` (``scorer.py``: top-S re-selection at every layer-step, ``exact``,
+  ``quest``, ``arkvale``, ``infinigen``): scores over the prefix; that base turns them into the decision.
+- ``cost_model``: prefix reads per KV head per refresh, read once per decode by the decoder (telemetry
+  counts them per layer-step) and reported as ``GenerationResult.cost``.
 
 A decision is tensors only: no ``.item()``, no Python ``if`` on a tensor, so a decode step never waits
 for the device.
@@ -18,8 +22,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..bacon_score import bacon_scores
 from ..cache import PrefixStore, ResidentLayer
 from ..config import RCRConfig
+from ..offload import ResidentReader
 from ..scoring import top_sorted
 
 
@@ -27,10 +33,8 @@ from ..scoring import top_sorted
 class Decision:
     trigger: torch.Tensor  # (B,) or (B, Hkv) bool: refresh the selected slots of this layer (per KV head)
     # (B, Hkv, S) candidate selection, merged where trigger is set. None: nothing to merge (offload mode, when
-    # the host saw that no trigger fired and therefore read nothing)
+    # the host saw that no trigger fired and therefore read nothing; a scorer with no score at this layer-step)
     selection: torch.Tensor | None
-    keys_per_refresh: int  # prefix keys read per KV head by a refresh (cost model accounting)
-    values_per_refresh: int  # prefix values read per KV head by a refresh
     drift: torch.Tensor | None = None  # (B,) estimated drift of this layer-step
     tau: torch.Tensor | None = None  # (B,) threshold the trigger was compared against
     # (B,) cost of scoring a device-resident summary of the prefix, in d-dim dot-product equivalents per query
@@ -42,7 +46,8 @@ class Decision:
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     # (B,) measured prefix reads of this layer-step per KV head (mean over KV heads); None = trigger fraction
-    # times keys/values_per_refresh (methods whose reads depend on the data, e.g. ArkVale's page recalls)
+    # times the cost model's reads per refresh (set for methods whose reads depend on the data, e.g. ArkVale's
+    # page recalls)
     keys_read: torch.Tensor | None = None
     values_read: torch.Tensor | None = None
 
@@ -64,8 +69,6 @@ class StepContext:
 
     def __post_init__(self):
         if self.reader is None:
-            from ..offload import ResidentReader
-
             self.reader = ResidentReader(self.prefix)
 
 
@@ -97,9 +100,7 @@ class Method:
 
     # --- decision 1: which prefix entries are resident after prefill ---
     def initial_scores(self, ctx: BuildContext, layer: int) -> torch.Tensor | None:
-        from .bacon import bacon_scores  # the paper's initial selector for every compressed method
-
-        return bacon_scores(ctx, layer)
+        return bacon_scores(ctx.prefix, layer, ctx.config, ctx.memo)  # the paper's initial selector
 
     def n_selected(self, prefix: PrefixStore) -> int:
         return min(self.config.selected, prefix.n_prefix)
@@ -132,6 +133,8 @@ class Method:
             return
         resident.refresh(decision.trigger, decision.selection, decision.keys, decision.values)
 
-    def cost_model(self, prefix: PrefixStore) -> dict:
-        """Reads per KV head per refresh, for reports (the merge in GPU-only mode issues them every step)."""
+    def cost_model(self, prefix: PrefixStore, state: Any) -> dict:
+        """Prefix reads per KV head per refresh (``keys_per_refresh``, ``values_per_refresh``; the merge in
+        GPU-only mode issues them every step), plus any method-specific entries. ``state``: ``init_state``'s."""
         return {"keys_per_refresh": 0, "values_per_refresh": 0}
+

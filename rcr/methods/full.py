@@ -1,4 +1,5 @@
-"""``full``: the uncompressed reference. Every prefix entry is resident, in its original order."""
+"""``full``: the uncompressed reference. Every prefix entry is resident, in its original order
+(docs/algorithms.md, "full")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``prefill_oracle``: a static selection scored by the uncompressed answer's own attention (spec §4.1).
+"""``prefill_oracle``: a static selection scored by the uncompressed answer's own attention (docs/algorithms.md,
+"prefill_oracle").
 
 The scores come from one teacher-forced pass over [prompt ; uncompressed answer] with the full cache
 (``rcr.generate.answer_attention_scores``): per (layer, KV head), the attention probability of each prefix
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .bacon import _pool
-from .base import BuildContext, Method
+from ..bacon_score import pool
 from ..scoring import NEG_INF
+from .base import BuildContext, Method
 
 
 @dataclass
@@ -26,5 +27,5 @@ class PrefillOracle(Method):
                                "rcr.generate, which decodes `full` first")
         s = ctx.reference_scores[layer]  # (B, Hkv, Np)
         if self.config.oracle_pool:
-            s = _pool(s, self.config.bacon_kernel)
+            s = pool(s, self.config.bacon_kernel)
         return s.masked_fill(~ctx.prefix.prefix_valid.unsqueeze(1), NEG_INF)

@@ -1,4 +1,5 @@
-"""``rcr``: Rate-Controlled Refresh (spec §3), and ``fixed``, the same with a constant threshold (§3.6).
+"""``rcr``: Rate-Controlled Refresh, and ``fixed``, the same with a constant threshold (docs/algorithms.md,
+"rcr" and "fixed").
 
 Per decode layer-step, before attention, with the current post-RoPE query q:
 1. drift = attention mass on evicted prefix entries, with approximate logits (rank-r detector) for the
@@ -90,7 +91,7 @@ class RCR(Method):
         f = trigger.float().mean(-1) if trigger.dim() == 2 else trigger.float()
         self.update_tau(st, ctx.layer, f)
         dots = st.n_valid_prefix * (det.rank / p.head_dim)
-        common = dict(trigger=trigger, drift=drift, tau=tau, detector_dots=dots, **self.cost_model(p))
+        common = dict(trigger=trigger, drift=drift, tau=tau, detector_dots=dots)
 
         # 3. candidates: detector top-C over the whole prefix, exact re-scoring, keep top S
         n_cand = min(cfg.candidates, p.n_prefix)
@@ -107,7 +108,7 @@ class RCR(Method):
         values = ctx.reader.gather(ctx.layer, ctx.step, "values", sel, rows)  # S value reads
         return Decision(selection=sel, keys=keys, values=values, **common)
 
-    def cost_model(self, prefix) -> dict:
+    def cost_model(self, prefix, state) -> dict:
         return {"keys_per_refresh": min(self.config.candidates, prefix.n_prefix),
                 "values_per_refresh": self.n_selected(prefix)}
 

@@ -1,7 +1,8 @@
 """``rcr_layer``: RCR with one threshold per layer per sample instead of one shared by all layers.
 
-The paper leaves per-layer thresholds unexplored. Everything else is RCR's (spec §3): the same detector,
-drift estimate, candidates, masked merge and controller law, tau_l <- tau_l * exp(step * (f_l - rho)), but
+The paper leaves per-layer thresholds unexplored (docs/algorithms.md, "rcr_layer"). Everything else is RCR's:
+the same detector, drift estimate, candidates, masked merge and controller law,
+tau_l <- tau_l * exp(step * (f_l - rho)), but
 tau_l is updated only by layer l's own refreshes. Each layer therefore refreshes about rho of its steps,
 instead of the shared threshold letting high-drift layers take most of the refreshes. Every tau_l starts at
 tau0. State: tau (B, L) on the device.

@@ -1,0 +1,99 @@
+"""InfiniGen's skewing: skew matrices, partial columns, and the calibration files that hold them
+(docs/algorithms.md, "infinigen").
+
+Used by the method (``rcr.methods.infinigen``: per-sample calibration, loading a calibration directory) and by
+the offline calibration command (``python -m rcr.calibrate_infinigen``, which writes one). Kept apart from
+that command's module so that ``import rcr`` does not import the command (``python -m`` would then warn and
+run it twice).
+
+A calibration directory holds ``infinigen.safetensors`` (per layer l: ``skew.l`` (Hkv, d, d) fp32 and
+``cols.l`` (Hkv, c) long) and ``calibration.json`` (how it was made).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .config import ConfigError
+from .fileio import atomic_path
+
+CALIBRATION_TENSORS = "infinigen.safetensors"
+CALIBRATION_META = "calibration.json"
+ORTHO_TOL = 1e-4
+
+
+def skew_from_grams(gram_q: torch.Tensor, gram_k: torch.Tensor) -> torch.Tensor:
+    """A from the Gram matrices Q^T Q and K^T K (..., d, d): the right singular vectors of Q (eigenvectors of
+    Q^T Q, singular values sqrt of its eigenvalues) ordered by s_q * s_k, descending. Computed in fp64."""
+    eq, vq = torch.linalg.eigh(gram_q.double())  # ascending
+    ek = torch.linalg.eigvalsh(gram_k.double())
+    s_q = eq.clamp_min(0).sqrt().flip(-1)  # descending, with the matching vectors
+    vq = vq.flip(-1)
+    s_k = ek.clamp_min(0).sqrt().flip(-1)
+    order = (s_q * s_k).argsort(dim=-1, descending=True, stable=True)
+    return torch.gather(vq, -1, order.unsqueeze(-2).expand_as(vq)).float()
+
+
+def check_orthogonal(a: torch.Tensor, what: str = "skew matrix") -> None:
+    """Raises when A^T A is not the identity (then skewing would change q.k). Runs at load/build, not per step."""
+    eye = torch.eye(a.shape[-1], dtype=torch.float64, device=a.device)
+    err = float((a.double().transpose(-1, -2) @ a.double() - eye).abs().max()) if a.numel() else 0.0
+    if not err <= ORTHO_TOL:
+        raise ValueError(f"InfiniGen {what} is not orthogonal: max |A^T A - I| = {err:.2e} > {ORTHO_TOL}")
+
+
+def partial_columns(abs_q: torch.Tensor, abs_k: torch.Tensor, c: int) -> torch.Tensor:
+    """InfiniGen's column rule at an exact size: abs_q, abs_k (..., d) = sum over tokens of |QA|, |KA|. A column
+    enters the union at rank min(rank_q, rank_k); the first c to enter are kept (ties: the other rank, then
+    the column index). Returns (..., c) column indices, ascending."""
+    d = abs_q.shape[-1]
+    rq = abs_q.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    rk = abs_k.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    key = torch.minimum(rq, rk) * d * d + torch.maximum(rq, rk) * d + torch.arange(d, device=abs_q.device)
+    return key.argsort(dim=-1)[..., :c].sort(dim=-1).values
+
+
+def n_partial(ratio: float, head_dim: int) -> int:
+    """Partial columns per KV head: round(ratio * d), at least 1."""
+    return max(1, round(ratio * head_dim))
+
+
+def save_calibration(out_dir: str, skews: list[torch.Tensor], cols: list[torch.Tensor], meta: dict) -> None:
+    """skews[l] (Hkv, d, d) fp32, cols[l] (Hkv, c) long. Writes both files atomically (``rcr.fileio``)."""
+    from safetensors.torch import save
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for layer, (a, c) in enumerate(zip(skews, cols)):
+        check_orthogonal(a, f"skew matrix of layer {layer}")
+        tensors[f"skew.{layer}"] = a.float().contiguous().cpu()
+        tensors[f"cols.{layer}"] = c.long().contiguous().cpu()
+    with atomic_path(os.path.join(out_dir, CALIBRATION_TENSORS), "wb") as fh:
+        fh.write(save(tensors))
+    with atomic_path(os.path.join(out_dir, CALIBRATION_META), "w") as fh:
+        json.dump(meta, fh, indent=2, sort_keys=True)
+
+
+def load_calibration(path: str) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """(skews, cols, meta) from a directory written by ``save_calibration``; checks orthogonality."""
+    from safetensors.torch import load_file
+
+    f = os.path.join(path, CALIBRATION_TENSORS)
+    if not os.path.isfile(f):
+        raise ConfigError(f"RCRConfig.infinigen_calibration={path!r}: no {CALIBRATION_TENSORS} there; "
+                          "write one with `python -m rcr.calibrate_infinigen --model PATH --out DIR`")
+    t = load_file(f)
+    n = len([k for k in t if k.startswith("skew.")])
+    skews = [t[f"skew.{i}"] for i in range(n)]
+    cols = [t[f"cols.{i}"] for i in range(n)]
+    for i, a in enumerate(skews):
+        check_orthogonal(a, f"skew matrix of layer {i} in {f}")
+    meta_f = os.path.join(path, CALIBRATION_META)
+    meta = {}
+    if os.path.isfile(meta_f):
+        with open(meta_f) as fh:
+            meta = json.load(fh)
+    return skews, cols, meta

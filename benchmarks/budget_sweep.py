@@ -3,7 +3,7 @@
     python benchmarks/budget_sweep.py [--model PATH] [--samples 16] [--selected 32,64] [--methods bacon,exact,rcr]
 
 For each ``selected`` budget (window fixed at 32), every method decodes the same held-out synthetic
-``detailcaps`` scenes (seed ``pipeline.synthetic.HELDOUT_SEED``) from one prefill, and is scored by ROUGE-L
+``detailcaps`` scenes (seed ``pipeline.data.synthetic.HELDOUT_SEED``) from one prefill, and is scored by ROUGE-L
 against the uncompressed output of the same run (the pipeline's fidelity), next to its exact drift: the
 attention mass each step's query puts on the prefix entries that were evicted when it arrived (before that
 step's refresh, as the telemetry records it), mean over layer-steps. Everything is measured side by side in
@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.join(ROOT, "jobs"))
 
 import eval_embedded as E  # noqa: E402  (held-out batches, ROUGE-L with every token kept)
 import rcr  # noqa: E402
-from pipeline import synthetic as S  # noqa: E402
+from pipeline.data import synthetic as S  # noqa: E402
+from pipeline.schema import telemetry_summary  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
                 texts = E.decode_texts(processor, out[m].sequences)
                 fid[m] += [E.rouge_l(f, t) for f, t in zip(fulls, texts)]
                 for b in range(len(batch)):
-                    s = out[m].sample(b)
+                    s = telemetry_summary(out[m].sample(b))
                     drift[m].append(s["mean_drift_exact"])
                     refresh[m].append(s["refresh_fraction"])
         for m in methods:

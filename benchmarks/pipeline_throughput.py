@@ -56,10 +56,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     args = ap.parse_args()
 
-    from pipeline.actor import SampleEvaluator
-    from pipeline.config import JobConfig
-    from pipeline.data import synthetic_records, write_shards
-    from pipeline.run import run
+    from pipeline.data.shards import synthetic_records, write_shards
+    from pipeline.run.actor import SampleEvaluator
+    from pipeline.run.config import JobConfig
+    from pipeline.run.driver import actor_resources, run
 
     tmp = Path(tempfile.mkdtemp(prefix="rcr-bench-"))
     model = _model(args.model, tmp)
@@ -77,8 +77,6 @@ def main() -> None:
     results = []
     load0 = os.getloadavg()
     # 1. bare single-process loop, with the torch threads a 1-actor job would use
-    from pipeline.run import actor_resources
-
     c = cfg(1, "bare")
     threads = actor_resources(c, {"CPU": float(os.cpu_count() or 1)})["torch_threads"]
     c.torch_threads = threads

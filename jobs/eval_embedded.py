@@ -1,5 +1,5 @@
 """Quality bars of the embedded default model, on held-out synthetic samples (seed
-``pipeline.synthetic.HELDOUT_SEED``; training uses seed 0, so none of these was seen in training).
+``pipeline.data.synthetic.HELDOUT_SEED``; training uses seed 0, so none of these was seen in training).
 
     python jobs/eval_embedded.py                     # the shipped model in assets/embedded/model
     python jobs/eval_embedded.py --model runs/train_embedded/final --n-detail 50   # quick look
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline import synthetic as S  # noqa: E402
+from pipeline.data import synthetic as S  # noqa: E402
 
 DEFAULT_MODEL = REPO / "assets" / "embedded" / "model"
 MAX_NEW_TOKENS = {"detailcaps": 256, "textcaps": 40, "video": 80}

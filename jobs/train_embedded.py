@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline import synthetic as S  # noqa: E402
+from pipeline.data import synthetic as S  # noqa: E402
 
 DEFAULT_OUT = REPO / "assets" / "embedded" / "model"
 DEFAULT_RUN_DIR = REPO / "runs" / "train_embedded"

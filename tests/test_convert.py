@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline import convert, data
+from pipeline import data
+from pipeline.data import convert
 from pipeline.schema import INPUT_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO / "jobs"))
 
 import eval_embedded as E  # noqa: E402
 import train_embedded as T  # noqa: E402
-from pipeline import synthetic as S  # noqa: E402
+from pipeline.data import synthetic as S  # noqa: E402
 
 # RCR_EMBEDDED_MODEL lets a candidate (e.g. runs/train_embedded/final) be checked before it is shipped
 MODEL_DIR = Path(os.environ.get("RCR_EMBEDDED_MODEL", REPO / "assets" / "embedded" / "model"))

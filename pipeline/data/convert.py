@@ -1,4 +1,4 @@
-"""Converters from the real datasets to the project's input schema (``pipeline.schema.INPUT_SCHEMA``).
+"""Converters from the real datasets to the project's input schema (``pipeline/schema.py``, ``INPUT_SCHEMA``).
 
 * **DetailCaps-4870** -- Hugging Face dataset ``foundation-multimodal-models/DetailCaps-4870``, split
   ``test``, one file ``DetailCaps-4870.parquet`` at the repository root. Image bytes are in ``binary``;
@@ -28,17 +28,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.data import DataError, decode_image, encode_image
-
-DETAILCAPS_PROMPT = "Describe this image in detail."
-TEXTCAPS_PROMPT = "Provide a one-sentence caption for the provided image."
-VIDEO_PROMPT = "Describe what happens in this video."
+from pipeline.data.images import decode_image, encode_image, to_rgb
+from pipeline.data.shards import DataError
+from rcr.models import PROMPTS  # the one copy of the task prompts
 
 
 class OfflineError(RuntimeError):
@@ -69,7 +67,7 @@ DETAILCAPS = HubSource(
     reference_columns=("GT_Caption_GPT4O", "GT_Caption_GPT4V", "GT_Caption_Gemini15Pro"),
     id_column=None,  # rows have no unique id column; the row index in the pinned file is stable
     task="detailcaps",
-    prompt=DETAILCAPS_PROMPT,
+    prompt=PROMPTS["detailcaps"],
 )
 
 TEXTCAPS = HubSource(
@@ -82,7 +80,7 @@ TEXTCAPS = HubSource(
     reference_columns=("caption_str",),
     id_column="image_id",
     task="textcaps",
-    prompt=TEXTCAPS_PROMPT,
+    prompt=PROMPTS["textcaps"],
 )
 
 SOURCES = {"detailcaps": DETAILCAPS, "textcaps": TEXTCAPS}
@@ -295,7 +293,7 @@ def _frames_from_file(f: Path, k: int) -> list[bytes]:
 
         try:
             with Image.open(f) as im:
-                frames = [fr.convert("RGB") for fr in ImageSequence.Iterator(im)]
+                frames = [to_rgb(fr) for fr in ImageSequence.Iterator(im)]
         except OSError as e:
             raise DataError(f"{f}: cannot decode video ({e})") from e
         return [encode_image(frames[i]) for i in _uniform(len(frames), k)]
@@ -317,7 +315,7 @@ def _frames_from_file(f: Path, k: int) -> list[bytes]:
 
 
 def convert_videos(folder: str | os.PathLike, frames: int = 8, limit: int | None = None, seed: int = 0,
-                   prompt: str = VIDEO_PROMPT) -> Iterator[dict]:
+                   prompt: str = PROMPTS["video"]) -> Iterator[dict]:
     """Yield video records from a folder of videos and/or frame folders."""
     folder = Path(folder)
     if not folder.is_dir():

@@ -109,7 +109,8 @@ def main() -> None:
     import torch
 
     print()
-    print(f"pipeline throughput: task={args.task} model={args.model if model == args.model else 'tiny random Qwen2-VL'} "
+    shown = args.model if model == args.model else "tiny random Qwen2-VL"
+    print(f"pipeline throughput: task={args.task} model={shown} "
           f"methods={','.join(cfg(1, 'x').methods)} max_new_tokens={args.max_new_tokens} batch_size={args.batch_size} "
           f"samples={args.n}; {os.cpu_count()} CPU cores, "
           f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "

@@ -78,7 +78,8 @@ def validate_input_table(table: pa.Table, where: str = "input table") -> pa.Tabl
     names = set(table.column_names)
     for field in INPUT_SCHEMA:
         if field.name not in names:
-            raise SchemaError(f"{where}: missing column '{field.name}' (have: {', '.join(table.column_names) or 'none'})")
+            have = ", ".join(table.column_names) or "none"
+            raise SchemaError(f"{where}: missing column '{field.name}' (have: {have})")
         actual = table.schema.field(field.name).type
         if not type_matches(actual, field.type):
             raise SchemaError(f"{where}: column '{field.name}' has type {actual}, expected {field.type}")

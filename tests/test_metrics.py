@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from fake_output import make_output_frame, write_output_dir
 from scipy import stats
 
-from fake_output import make_output_frame, write_output_dir
 from pipeline.analysis import text_metrics
 from pipeline.analysis.analyze import analyze
 from pipeline.analysis.bootstrap import bootstrap_means, paired_bootstrap

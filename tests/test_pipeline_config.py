@@ -75,9 +75,8 @@ def test_config_hash_ignores_batching_and_paths():
 
 
 def test_help_lists_every_registered_method():
-    from rcr.methods import METHODS
-
     from pipeline.run.config import build_arg_parser
+    from rcr.methods import METHODS
 
     text = " ".join(build_arg_parser("detailcaps").format_help().split())  # undo argparse's line wrapping
     for name in METHODS:

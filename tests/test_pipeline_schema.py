@@ -37,7 +37,8 @@ def _result(lengths=(5, 2), L=3, T=6) -> GenerationResult:
         return np.where(steps, valid, pad).astype(np.float32) * np.ones((B, L, T), np.float32)
 
     t = HostTelemetry(drift=tel(rng.random((B, L, T)), 99.0), tau=tel(0.05, 99.0),
-                      trigger=tel(rng.random((B, L, T)) < 0.5, 1.0), keys_read=tel(rng.integers(0, 9, (B, L, T)), 999.0),
+                      trigger=tel(rng.random((B, L, T)) < 0.5, 1.0),
+                      keys_read=tel(rng.integers(0, 9, (B, L, T)), 999.0),
                       values_read=tel(4.0, 999.0), detector_dots=tel(2.0, 999.0),
                       bytes_moved=tel(rng.random((B, L, T)), 999.0))
     seq = torch.arange(B * T).reshape(B, T) + 3
@@ -81,8 +82,9 @@ def test_row_summaries_reach_the_method_table_and_mlflow():
 def test_minimal_summary_scores_rouge_l_with_the_unicode_tokenizer():
     """It used whitespace tokens: 'Привет, мир!' vs 'привет мир' scored 0 there and 1 with the project's
     tokenizer (case and punctuation are not words)."""
-    df = pd.DataFrame({"sample_id": ["a", "a"], "method": ["full", "rcr"], "output_text": ["Привет, мир!", "привет мир"],
-                       "error": [None, None], "refresh_fraction": [0.0, 0.5]})
+    df = pd.DataFrame({"sample_id": ["a", "a"], "method": ["full", "rcr"],
+                       "output_text": ["Привет, мир!", "привет мир"], "error": [None, None],
+                       "refresh_fraction": [0.0, 0.5]})
     line = next(x for x in minimal_summary(df).splitlines() if x.startswith("rcr"))
     assert line.split()[3] == "1.000"
 

@@ -8,9 +8,10 @@ Entry point (the driver and ``pipeline/analysis/tracking.py`` call it): :func:`a
 ``(df, bootstrap_resamples=10000, seed=0, ...) -> Analysis``; ``pipeline/analysis/report.py`` prints it.
 The pieces live beside it: ``text_metrics.py`` (ROUGE-L, CIDEr), ``bootstrap.py``, ``telemetry.py``.
 
-Input: one row per (sample_id, method) in the output schema (``pipeline/schema.py``, names in ``Col``). The ``full`` row of a sample is the uncompressed reference
-for the fidelity of every method on the same (model, sample_id). Rows whose ``error`` is not null are
-excluded from all statistics, but counted (``Analysis.errors`` and ``n_errors`` per method).
+Input: one row per (sample_id, method) in the output schema (``pipeline/schema.py``, names in ``Col``).
+The ``full`` row of a sample is the uncompressed reference for the fidelity of every method on the same
+(model, sample_id). Rows whose ``error`` is not null are excluded from all statistics, but counted
+(``Analysis.errors`` and ``n_errors`` per method).
 
 What is measured, and with what (also in ``Analysis.meta`` and logged to MLflow):
 

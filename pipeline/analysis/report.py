@@ -127,6 +127,7 @@ def minimal_summary(df: pd.DataFrame) -> str:
         gok = g[g["error"].isna()]
         fid = [rouge_l_f1(full[s], t) for s, t in zip(gok["sample_id"], gok["output_text"]) if s in full]
         rf = gok["refresh_fraction"].dropna()
-        lines.append(f"{m:<18}{len(g):>6}{len(g) - len(gok):>8}"
-                     f"{(np.mean(fid) if fid else float('nan')):>10.3f}{(rf.mean() if len(rf) else float('nan')):>9.3f}")
+        fid_mean = np.mean(fid) if fid else float("nan")
+        rf_mean = rf.mean() if len(rf) else float("nan")
+        lines.append(f"{m:<18}{len(g):>6}{len(g) - len(gok):>8}{fid_mean:>10.3f}{rf_mean:>9.3f}")
     return "\n".join(lines)

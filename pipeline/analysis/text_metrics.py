@@ -54,8 +54,9 @@ class UnicodeTokenizer(Tokenizer):
 
 
 FIDELITY_DESC = ("ROUGE-L F1 vs the same model's uncompressed ('full') output; package rouge-score 0.1.2 "
-                 "RougeScorer(['rougeL']) with pipeline.analysis.text_metrics.UnicodeTokenizer (NFKC, lowercase, runs of "
-                 "Unicode letters/digits/marks, one token per CJK ideograph/kana, no stemming); both empty -> 1.0")
+                 "RougeScorer(['rougeL']) with pipeline.analysis.text_metrics.UnicodeTokenizer (NFKC, lowercase, "
+                 "runs of Unicode letters/digits/marks, one token per CJK ideograph/kana, no stemming); "
+                 "both empty -> 1.0")
 REF_ROUGE_DESC = ("ROUGE-L F1 vs references; rouge-score 0.1.2 with pipeline.analysis.text_metrics.UnicodeTokenizer; "
                   "multi-reference rule: max F1 over the references (RougeScorer.score_multi)")
 CIDER_DESC = ("CIDEr-D; package pycocoevalcap 1.2 Cider(n=4, sigma=6) (pure Python; its Java PTB tokenizer "

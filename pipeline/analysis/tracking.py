@@ -40,8 +40,8 @@ import subprocess
 import tempfile
 import time
 import warnings
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -177,7 +177,7 @@ def _git_commit() -> tuple[str, bool | None]:
         dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip() != ""
         return sha, dirty
-    except Exception:
+    except Exception:  # noqa: BLE001 - no git, not a checkout, a timeout: the commit is a label, not a result
         return "unknown", None
 
 
@@ -263,7 +263,7 @@ def _delete_runs(client, runs: list, keep: set[str]) -> int:
             client.delete_run(r.info.run_id)
             n += 1
         except Exception as e:  # noqa: BLE001
-            warnings.warn(f"could not delete stale MLflow run {r.info.run_id}: {e}")
+            warnings.warn(f"could not delete stale MLflow run {r.info.run_id}: {e}", stacklevel=2)
     return n
 
 
@@ -394,7 +394,8 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
     task = joined_unique(df, Col.TASK)
     tags = {
         TAG_KEY: key, TAG_ROLE: "parent", TAG_FP: fp, TAG_COMPLETE: "0",
-        "rcr.job_name": job_name, "rcr.output_dir": output_dir or "", "rcr.config_hash": joined_unique(df, Col.CONFIG_HASH) or "",
+        "rcr.job_name": job_name, "rcr.output_dir": output_dir or "",
+        "rcr.config_hash": joined_unique(df, Col.CONFIG_HASH) or "",
         "rcr.model": ",".join(models), "rcr.dataset": dataset, "rcr.task": task or "",
         "mlflow.source.git.commit": commit, "mlflow.source.name": "pipeline.analysis.tracking.log_job",
         "mlflow.note.content": "```\n" + summary[:7900] + "\n```",

@@ -26,9 +26,9 @@ from __future__ import annotations
 import base64
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -118,7 +118,8 @@ def locate(src: HubSource, local_path: str | os.PathLike | None = None, cache_di
     try:
         from huggingface_hub import hf_hub_download
     except ImportError as e:  # pragma: no cover - transformers depends on huggingface_hub
-        raise OfflineError(f"huggingface_hub is not installed; pass --local-path with a local copy of {src.repo_id}") from e
+        raise OfflineError(f"huggingface_hub is not installed; pass --local-path with a local copy of "
+                           f"{src.repo_id}") from e
     out = []
     for f in src.files:
         try:

@@ -119,8 +119,7 @@ def read_input(path: str | os.PathLike, require_complete: bool = True, limit: in
 
 
 def iter_input_rows(path: str | os.PathLike, require_complete: bool = True):
-    for row in read_input(path, require_complete).to_pylist():
-        yield row
+    yield from read_input(path, require_complete).to_pylist()
 
 
 # ------------------------------------------------------------------------------------------- synthetic

@@ -347,7 +347,8 @@ def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
     if task is None:
         p.add_argument("--task", choices=TASKS)
     p.add_argument("--model", help="'embedded' (default), a local checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct")
-    p.add_argument("--shards", nargs="+", help="Parquet shard files/dirs/globs in the input schema; 'embedded' (default)")
+    p.add_argument("--shards", nargs="+",
+                   help="Parquet shard files/dirs/globs in the input schema; 'embedded' (default)")
     p.add_argument("--methods", help="comma-separated method labels, or 'all' (default): "
                    f"{', '.join(available_methods())}; 'fixed@TAU' runs fixed with that tau "
                    "(e.g. fixed@0.05,fixed@0.10 for a sweep); full is always run")
@@ -370,7 +371,8 @@ def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None)
     p.add_argument("--rcr", action="append", metavar="KEY=VALUE", help="an rcr.RCRConfig field (repeatable)")
     p.add_argument("--ray-address", dest="ray_address",
-                   help="default: the cluster of `ray job submit`, else a private local Ray; 'auto' joins a running one")
+                   help="default: the cluster of `ray job submit`, else a private local Ray; "
+                   "'auto' joins a running one")
     p.add_argument("--engine", help="model backend: 'rcr' (default) or module:Class (tests, other backends)")
     p.add_argument("--progress-every-s", dest="progress_every_s", type=float)
     p.add_argument("--no-summary", dest="summary", action="store_false", default=None)

@@ -29,7 +29,6 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.schema import INPUT_SCHEMA, JobStamp, error_rows, output_table
 from pipeline.analysis import report, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.data import shards
@@ -51,6 +50,7 @@ from pipeline.run.store import (
     resolve_shards,
     scan_shards,
 )
+from pipeline.schema import INPUT_SCHEMA, JobStamp, error_rows, output_table
 
 READER_CPUS = 0.25  # read/select tasks are light; small CPU requests keep them schedulable beside the actors
 DATA_RESERVE_CPUS = 1.0  # Ray Data's file-listing task asks for 1 CPU; CPU-only actors leave room for it

@@ -191,7 +191,7 @@ def make_plots(df: pd.DataFrame, analysis: Analysis, out_dir: str | os.PathLike,
                n_samples: int = 4) -> list[Path]:
     """Write all PNGs into ``out_dir`` (one set; per-model panels where it matters). Returns their paths.
 
-    ``df`` is the raw output rows (for the telemetry lists), ``analysis`` from :func:`pipeline.metrics.analyze`.
+    ``df`` is the raw output rows (for the telemetry lists), ``analysis`` from :func:`pipeline.analysis.analyze.analyze`.
     A plot whose inputs are missing (e.g. no ``rcr`` rows) is skipped, never an error.
     """
     out = Path(out_dir)

@@ -14,11 +14,11 @@ What it writes, per job:
   stability, Spearman correlations), and artifacts: ``plots/*.png``, ``tables/per_sample.parquet`` (+csv),
   ``tables/{methods,terciles,correlations,stability,frontier,errors}.csv``, ``summary.txt``;
 * one **child run per method** (per (model, method) when a job has several models), tagged
-  ``mlflow.parentRunId``: ``fidelity``, ``fidelity_ci_low``, ``fidelity_ci_high``, ``diff_bacon`` /
-  ``diff_rcr`` with ``_ci_low`` / ``_ci_high``, ``refresh_fraction`` (+CI), ``keys_read_per_step``,
-  ``values_read_per_step``, ``reads_per_step``, ``detector_dots_per_step``, ``bytes_moved_per_step``,
-  ``tokens_per_s``, reference metrics (+CI), tercile metrics, and ``refresh_rate_by_step`` /
-  ``tau_mean_by_step`` as step histories.
+  ``mlflow.parentRunId``: every numeric column of its ``Analysis.methods`` row (``fidelity`` and
+  ``diff_bacon`` / ``diff_rcr`` with ``_ci_low`` / ``_ci_high``, ``refresh_fraction`` (+CI), reference
+  metrics (+CI), and the per-method means of the output rows' summaries, which derive from the output
+  schema: ``keys_read_per_step``, ``reads_per_step``, ``bytes_moved_per_step``, ``tokens_per_s``, ...),
+  tercile metrics, and ``refresh_rate_by_step`` / ``tau_mean_by_step`` as step histories.
 
 Idempotence: the parent carries ``rcr.job_key`` = hash(absolute output dir, config hash(es)) (the job
 name when no output dir is known) and ``rcr.fingerprint`` = hash(row contents, analysis settings,

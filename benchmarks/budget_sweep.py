@@ -3,7 +3,7 @@
     python benchmarks/budget_sweep.py [--model PATH] [--samples 16] [--selected 32,64] [--methods bacon,exact,rcr]
 
 For each ``selected`` budget (window fixed at 32), every method decodes the same held-out synthetic
-``detailcaps`` scenes (seed ``pipeline.data.synthetic.HELDOUT_SEED``) from one prefill, and is scored by ROUGE-L
+``detailcaps`` scenes (seed ``pipeline.synthetic.HELDOUT_SEED``) from one prefill, and is scored by ROUGE-L
 against the uncompressed output of the same run (the pipeline's fidelity), next to its exact drift: the
 attention mass each step's query puts on the prefix entries that were evicted when it arrived (before that
 step's refresh, as the telemetry records it), mean over layer-steps. Everything is measured side by side in

@@ -1,5 +1,5 @@
 """Quality bars of the embedded default model, on held-out synthetic samples (seed
-``pipeline.data.synthetic.HELDOUT_SEED``; training uses seed 0, so none of these was seen in training).
+``pipeline.synthetic.HELDOUT_SEED``; training uses seed 0, so none of these was seen in training).
 
     python jobs/eval_embedded.py                     # the shipped model in assets/embedded/model
     python jobs/eval_embedded.py --model runs/train_embedded/final --n-detail 50   # quick look

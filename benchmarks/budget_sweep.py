@@ -3,7 +3,7 @@
     python benchmarks/budget_sweep.py [--model embedded] [--layout v2] [--samples 16] [--selected 16,32,64]
 
 For each ``selected`` budget (window fixed at 32), every method decodes the same held-out synthetic
-``detailcaps`` scenes (seed ``pipeline.synthetic.HELDOUT_SEED``) from one prefill per batch, through the
+``detailcaps`` scenes (seed ``pipeline.data.synthetic.HELDOUT_SEED``) from one prefill per batch, through the
 pipeline's own evaluator, and is scored with the pipeline's own statistics: ROUGE-L fidelity against the
 uncompressed output of the same run, the exact drift (the attention mass each step's query puts on the
 prefix entries evicted when it arrived, before that step's refresh; mean over layer-steps) and the realised
@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.join(ROOT, "jobs"))
 
 from eval_embedded import evaluate_task  # noqa: E402  (the pipeline's evaluator on held-out scenes)
 
-from pipeline import synthetic as S  # noqa: E402
-from pipeline.config import EMBEDDED, JobConfig  # noqa: E402
-from pipeline.metrics import analyze  # noqa: E402
+from pipeline.data import synthetic as S  # noqa: E402
+from pipeline.run.config import EMBEDDED, JobConfig  # noqa: E402
+from pipeline.analysis.analyze import analyze  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -56,10 +56,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     args = ap.parse_args()
 
-    from pipeline.actor import SampleEvaluator
-    from pipeline.config import JobConfig
-    from pipeline.data import synthetic_records, write_shards
-    from pipeline.run import run
+    from pipeline.data.shards import synthetic_records, write_shards
+    from pipeline.run.actor import SampleEvaluator
+    from pipeline.run.config import JobConfig
+    from pipeline.run.driver import actor_resources, run
 
     tmp = Path(tempfile.mkdtemp(prefix="rcr-bench-"))
     model = _model(args.model, tmp)
@@ -77,8 +77,6 @@ def main() -> None:
     results = []
     load0 = os.getloadavg()
     # 1. bare single-process loop, with the torch threads a 1-actor job would use
-    from pipeline.run import actor_resources
-
     c = cfg(1, "bare")
     threads = actor_resources(c, {"CPU": float(os.cpu_count() or 1)})["torch_threads"]
     c.torch_threads = threads
@@ -111,7 +109,8 @@ def main() -> None:
     import torch
 
     print()
-    print(f"pipeline throughput: task={args.task} model={args.model if model == args.model else 'tiny random Qwen2-VL'} "
+    shown = args.model if model == args.model else "tiny random Qwen2-VL"
+    print(f"pipeline throughput: task={args.task} model={shown} "
           f"methods={','.join(cfg(1, 'x').methods)} max_new_tokens={args.max_new_tokens} batch_size={args.batch_size} "
           f"samples={args.n}; {os.cpu_count()} CPU cores, "
           f"{'GPU ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "

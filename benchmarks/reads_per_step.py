@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import rcr
+from pipeline.schema import telemetry_summary
 from rcr.models import PROMPTS, build_inputs, geometry
 
 METHODS = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen"]
@@ -46,7 +47,7 @@ def load_model(args):
         model, proc = rcr.models.load(path, device="cpu", dtype=torch.float32)
         try:  # the embedded model was trained on the pipeline's synthetic scenes
             sys.path.insert(0, ROOT)
-            from pipeline.synthetic import render
+            from pipeline.data.synthetic import render
 
             def image(i):
                 from PIL import Image
@@ -128,13 +129,13 @@ def main(argv=None) -> int:
         off = rcr.generate(model, inputs, method=list(off_rows), max_new_tokens=args.max_new_tokens,
                            config=cfg.replace(offload=True), ignore_eos=True) if off_rows else {}
         for m in methods:
-            s = res[m].sample(0)
-            rows[m].append(dict(np_=s["prefix_len"], r=s["refresh_fraction"], k=s["keys_read_per_step"],
+            s = telemetry_summary(res[m].sample(0))
+            rows[m].append(dict(np_=int(res[m].prefix_len[0]), r=s["refresh_fraction"], k=s["keys_read_per_step"],
                                 v=s["values_read_per_step"], dots=s["detector_dots_per_step"],
                                 match=float((res[m].sequences == res["full"].sequences).float().mean())
                                 if "full" in res else float("nan")))
         for m in off_rows:
-            s = off[m].sample(0)
+            s = telemetry_summary(off[m].sample(0))
             assert torch.equal(off[m].sequences, res[m].sequences), f"{m}: offload output != resident output"
             off_rows[m].append(dict(r=s["refresh_fraction"], bytes=s["bytes_moved_per_step"]))
     wall = time.perf_counter() - t0

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import pandas as pd
 
-    from pipeline import metrics, tracking
+    from pipeline.analysis import report, tracking
+    from pipeline.analysis.analyze import analyze
 
     out = Path(args.output_dir).expanduser().resolve()
     if not out.is_dir():
@@ -92,19 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         part = df[df["config_hash"].astype(str) == ch] if ch else df
         cfg = dict(configs.get(ch) or top or {})
         if not cfg:
-            cfg = {"job_name": tracking._one(part, "job_name"), "model": tracking._one(part, "model")}
+            cfg = {"job_name": tracking.joined_unique(part, "job_name"), "model": tracking.joined_unique(part, "model")}
         cfg.setdefault("config_hash", ch)
         uri = tracking.resolve_tracking_uri(args.tracking_uri or cfg.get("mlflow_uri") or tracking.DEFAULT_TRACKING_URI)
         exp = args.experiment or cfg.get("experiment") or tracking.DEFAULT_EXPERIMENT
-        job_name = cfg.get("job_name") or tracking._one(part, "job_name") or out.name
+        job_name = cfg.get("job_name") or tracking.joined_unique(part, "job_name") or out.name
         n_res = args.bootstrap_resamples or int(cfg.get("bootstrap_resamples", 10_000))
         seed = args.seed if args.seed is not None else int(cfg.get("bootstrap_seed", 0) or 0)
         print(f"[backfill] {out}: config {ch or '?'}: {len(part)} rows, "
               f"{part['sample_id'].nunique()} samples -> {uri} (experiment '{exp}')")
         analysis = None
         if not args.no_summary:
-            analysis = metrics.analyze(part, bootstrap_resamples=n_res, seed=seed)
-            print(metrics.format_summary(analysis))
+            analysis = analyze(part, bootstrap_resamples=n_res, seed=seed)
+            print(report.format_summary(analysis))
         art = Path(args.artifacts_dir) / (ch or "job") if args.artifacts_dir else None
         pid = tracking.log_job(part, cfg, tracking_uri=uri, experiment=exp, job_name=job_name, artifacts_dir=art,
                                analysis=analysis, output_dir=str(out), bootstrap_resamples=n_res, seed=seed,

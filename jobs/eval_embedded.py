@@ -1,7 +1,7 @@
 """The embedded default's bars: does the shipped model reproduce the paper's premises, and is it good enough?
 
 Runs the pipeline's own evaluator (``SampleEvaluator``, the callable class a Ray actor runs) on held-out
-synthetic samples (seed ``pipeline.synthetic.HELDOUT_SEED``; training uses seed 0) and scores them with the
+synthetic samples (seed ``pipeline.data.synthetic.HELDOUT_SEED``; training uses seed 0) and scores them with the
 pipeline's own statistics (``analyze``: ROUGE-L fidelity against the uncompressed output, paired bootstrap
 95% CIs, drift terciles, top-position stability), so every figure here is what a job on the same samples
 would report.
@@ -37,10 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline import synthetic as S  # noqa: E402
-from pipeline.actor import SampleEvaluator  # noqa: E402
-from pipeline.config import EMBEDDED, JobConfig  # noqa: E402
-from pipeline.metrics import analyze  # noqa: E402
+from pipeline.data import synthetic as S  # noqa: E402
+from pipeline.run.actor import SampleEvaluator  # noqa: E402
+from pipeline.run.config import EMBEDDED, JobConfig  # noqa: E402
+from pipeline.analysis.analyze import analyze  # noqa: E402
 
 # methods each task decodes (besides full); detailcaps carries the premises, textcaps the short-answer one
 TASK_METHODS = {

@@ -6,7 +6,7 @@
     python jobs/prepare_data.py video      --local-path /data/my_videos --frames 8 --out data/video
     python jobs/prepare_data.py synthetic  --task detailcaps -n 200 --seed 10000 --out data/synthetic_detailcaps
 
-DetailCaps and TextCaps come from the Hugging Face Hub at a pinned revision (``pipeline.convert``), or
+DetailCaps and TextCaps come from the Hugging Face Hub at a pinned revision (``pipeline/data/convert.py``), or
 from the local hub cache when offline, or from ``--local-path`` (a Parquet file, a snapshot directory or
 a ``datasets.save_to_disk`` directory). Shards are written atomically; the directory gets a ``_SUCCESS``
 marker only when every shard is in place.
@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline import convert, data  # noqa: E402
+from pipeline.data import convert, shards  # noqa: E402
+from pipeline.data.synthetic import SyntheticError  # noqa: E402
 from pipeline.schema import SchemaError  # noqa: E402
-from pipeline.synthetic import SyntheticError  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     try:
         if args.source == "synthetic":
             n = args.n if args.n is not None else (args.limit if args.limit is not None else 200)
-            paths = data.write_synthetic(args.out, args.task, n, seed=args.seed, shard_size=args.shard_size,
+            paths = shards.write_synthetic(args.out, args.task, n, seed=args.seed, shard_size=args.shard_size,
                                          workers=args.workers)
         else:
             if args.source == "detailcaps":
@@ -60,14 +60,14 @@ def main(argv=None) -> int:
                 if not args.local_path:
                     ap.error("video needs --local-path <folder of videos or frame folders>")
                 recs = convert.convert_videos(args.local_path, args.frames, args.limit, args.seed)
-            paths = data.write_shards(recs, args.out, args.shard_size, prefix=args.source)
+            paths = shards.write_shards(recs, args.out, args.shard_size, prefix=args.source)
     except convert.OfflineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (data.DataError, SchemaError, SyntheticError) as e:
+    except (shards.DataError, SchemaError, SyntheticError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    rows = data.read_input(args.out).num_rows
+    rows = shards.read_input(args.out).num_rows
     print(f"wrote {rows} samples in {len(paths)} shard(s) to {Path(args.out).resolve()} in {time.time() - t0:.1f} s")
     return 0
 

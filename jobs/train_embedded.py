@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline import synthetic as S  # noqa: E402
+from pipeline.data import synthetic as S  # noqa: E402
 
 DEFAULT_OUT = REPO / "assets" / "embedded" / "model"
 DEFAULT_RUN_DIR = REPO / "runs" / "train_embedded"
@@ -331,7 +331,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--size", default="mini", choices=sorted(MODEL_SIZES))
     ap.add_argument("--layout", default="v2", choices=sorted(S.LAYOUTS),
-                    help="scene layout of detailcaps/textcaps (pipeline/synthetic.py LAYOUTS)")
+                    help="scene layout of detailcaps/textcaps (pipeline/data/synthetic.py LAYOUTS)")
     ap.add_argument("--steps", type=int, default=9000, help="optimizer steps of the v2 recipe")
     ap.add_argument("--minutes", type=float, default=None,
                     help="stop (and save) after this many minutes of this process; for smoke runs")

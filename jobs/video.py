@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.run import main
+from pipeline.run.driver import main
 
 if __name__ == "__main__":
     sys.exit(main("video"))

@@ -1,4 +1,9 @@
-"""Arrow schemas shared by every stage of the pipeline.
+"""The pipeline's one definition of its data: the input schema, the output schema and its column names,
+and the constructors of an output row and of error rows.
+
+Adding an output column is two edits, both here: its field in ``OUTPUT_SCHEMA`` and its value in
+:func:`output_row`. Everything downstream derives from these: ``Col`` (the analysis' column constants),
+``ROW_SUMMARIES`` (the per-row numbers averaged per method and logged to each method's MLflow run).
 
 Input schema (one row per sample, the same for every source: DetailCaps, TextCaps, local videos and the
 synthetic embedded default):
@@ -7,7 +12,7 @@ synthetic embedded default):
 field          type                    meaning
 =============  ======================  ==========================================================
 sample_id      string, not null        unique within a source
-task           string, not null        one of ``INPUT_TASKS`` (``detailcaps``, ``textcaps``, ``video``)
+task           string, not null        one of ``TASKS`` (``detailcaps``, ``textcaps``, ``video``)
 prompt         string, not null        the user prompt sent with the image(s)
 images         list<binary>, not null  encoded image bytes (PNG/JPEG/...); one per frame for video
 references     list<string>, not null  reference descriptions, possibly empty
@@ -17,10 +22,15 @@ source         string, not null        where it came from (``synthetic``, a HF d
 
 from __future__ import annotations
 
+from collections import namedtuple
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 import pyarrow as pa
 
 # ------------------------------------------------------------------------------------------- input
-INPUT_TASKS = ("detailcaps", "textcaps", "video")
+TASKS = ("detailcaps", "textcaps", "video")
 
 INPUT_SCHEMA = pa.schema(
     [
@@ -39,20 +49,23 @@ class SchemaError(ValueError):
     """A table or record does not match a project schema; the message names the field (and row)."""
 
 
-def _type_ok(actual: pa.DataType, expected: pa.DataType) -> bool:
+# the 64-bit-offset and view variants other writers produce; a matching column is cast on read
+_VARIANTS = {
+    pa.string(): (pa.large_string(), pa.string_view()),
+    pa.binary(): (pa.large_binary(), pa.binary_view()),
+}
+
+
+def type_matches(actual: pa.DataType, expected: pa.DataType) -> bool:
+    """``actual`` is ``expected`` up to string/large_string/string_view, binary/large_binary/binary_view and
+    list/large_list (the only Arrow type check in the project). These variants cast to the schema's types;
+    list_view does not (pyarrow 25 builds an invalid array), so it is refused by name."""
     if actual.equals(expected):
         return True
-    # accept the 64-bit offset / view variants that other writers produce, and cast later
-    loose = {
-        pa.string(): (pa.large_string(), pa.string_view()) if hasattr(pa, "string_view") else (pa.large_string(),),
-        pa.binary(): (pa.large_binary(), pa.binary_view()) if hasattr(pa, "binary_view") else (pa.large_binary(),),
-    }
-    if expected in loose:
-        return any(actual.equals(t) for t in loose[expected])
     if pa.types.is_list(expected):
-        if pa.types.is_list(actual) or pa.types.is_large_list(actual):
-            return _type_ok(actual.value_type, expected.value_type)
-    return False
+        return ((pa.types.is_list(actual) or pa.types.is_large_list(actual))
+                and type_matches(actual.value_type, expected.value_type))
+    return any(actual.equals(t) for t in _VARIANTS.get(expected, ()))
 
 
 def validate_input_table(table: pa.Table, where: str = "input table") -> pa.Table:
@@ -65,9 +78,10 @@ def validate_input_table(table: pa.Table, where: str = "input table") -> pa.Tabl
     names = set(table.column_names)
     for field in INPUT_SCHEMA:
         if field.name not in names:
-            raise SchemaError(f"{where}: missing column '{field.name}' (have: {', '.join(table.column_names) or 'none'})")
+            have = ", ".join(table.column_names) or "none"
+            raise SchemaError(f"{where}: missing column '{field.name}' (have: {have})")
         actual = table.schema.field(field.name).type
-        if not _type_ok(actual, field.type):
+        if not type_matches(actual, field.type):
             raise SchemaError(f"{where}: column '{field.name}' has type {actual}, expected {field.type}")
     table = table.select(INPUT_SCHEMA.names)
     for field in INPUT_SCHEMA:
@@ -77,8 +91,8 @@ def validate_input_table(table: pa.Table, where: str = "input table") -> pa.Tabl
             raise SchemaError(f"{where}: column '{field.name}' is null in row {row}")
     tasks = table.column("task").to_pylist()
     for i, t in enumerate(tasks):
-        if t not in INPUT_TASKS:
-            raise SchemaError(f"{where}: column 'task' has unknown task {t!r} in row {i}; expected one of {INPUT_TASKS}")
+        if t not in TASKS:
+            raise SchemaError(f"{where}: column 'task' has unknown task {t!r} in row {i}; expected one of {TASKS}")
     for i, imgs in enumerate(table.column("images").to_pylist()):
         if not imgs:
             raise SchemaError(f"{where}: column 'images' is empty in row {i}")
@@ -115,11 +129,10 @@ def input_table_from_records(records: list[dict], where: str = "records") -> pa.
     return validate_input_table(table, where)
 
 
-# ======================================================================================================
-# OUTPUT schema (pipeline engineer): one Parquet row per (sample_id, method), written by pipeline/run.py.
-# Consumed by pipeline/metrics.py. Documented column by column in docs/pipeline.md.
-# ======================================================================================================
 
+
+# ------------------------------------------------------------------------------------------- output
+# One Parquet row per (sample_id, method). Documented column by column in README.md ("Output schema").
 _F32_LL = pa.list_(pa.list_(pa.float32()))
 
 OUTPUT_SCHEMA = pa.schema([
@@ -139,7 +152,7 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("n_steps", pa.int32()),
     pa.field("n_layers", pa.int32()),
     pa.field("prefix_len", pa.int32()),
-    # per-row telemetry summaries
+    # per-row telemetry summaries (ROW_SUMMARIES)
     pa.field("refresh_fraction", pa.float64()),  # mean trigger over valid layer-steps
     pa.field("mean_drift", pa.float64()),
     pa.field("mean_drift_exact", pa.float64()),
@@ -160,12 +173,99 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("error", pa.string()),  # null when the row is ok
 ])
 
-OUTPUT_KEY = ("sample_id", "method")
+# Column names as constants, derived from the schema: ``Col.MEAN_DRIFT == "mean_drift"``; ``tuple(Col)`` is
+# every name in schema order. A misspelt constant fails at import, not as a silently missing column.
+Col = namedtuple("Col", [f.name.upper() for f in OUTPUT_SCHEMA])(*OUTPUT_SCHEMA.names)
+
+# The per-row float64 numbers that the analysis averages per method and logs to each method's MLflow run.
+ROW_SUMMARIES = tuple(f.name for f in OUTPUT_SCHEMA
+                      if pa.types.is_float64(f.type) and f.name not in ("prefill_s", "decode_s"))
+TIMING_COLUMNS = ("prefill_s", "decode_s", "tokens_per_s")  # differ from run to run; everything else must not
+
+# Display and "all" order of the method labels (the `method` column); others follow, fixed@TAU by tau.
+METHOD_ORDER = ("full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale",
+                "infinigen")
 
 
-def empty_output_row() -> dict:
-    """A row with every OUTPUT_SCHEMA column set to null."""
-    return {name: None for name in OUTPUT_SCHEMA.names}
+@dataclass(frozen=True)
+class JobStamp:
+    """The identity columns every row of one job shares."""
+
+    model: str
+    config_hash: str
+    job_name: str
+    task: str  # the job's task: a row's task when its input row has none
+
+
+def _identity(job: JobStamp, sample: dict, method: str, key: str | None) -> dict:
+    refs = sample.get("references")
+    return {
+        "sample_id": key if key is not None else str(sample.get("sample_id")),
+        "method": method,
+        "task": sample.get("task") or job.task,
+        "source": sample.get("source"),
+        "model": job.model,
+        "config_hash": job.config_hash,
+        "job_name": job.job_name,
+        "prompt": sample.get("prompt"),
+        "references": [str(r) for r in refs] if refs is not None else [],
+    }
+
+
+def error_rows(job: JobStamp, sample: dict, methods: list[str], message: str, key: str | None = None) -> list[dict]:
+    """One row per method for a sample that could not be evaluated: identity, ``error`` and ``n_steps=0``."""
+    return [{**_identity(job, sample, m, key), "error": message, "n_steps": 0} for m in methods]
+
+
+def _mean(x: np.ndarray | None) -> float | None:
+    """Mean over the valid (non-NaN) entries; None when there are none (the column is nullable)."""
+    return float(np.nanmean(x)) if x is not None and x.size and not np.all(np.isnan(x)) else None
+
+
+def telemetry_summary(s: dict) -> dict[str, float | None]:
+    """The per-row summaries of one sample's trimmed telemetry (``GenerationResult.sample(b)``): means over
+    its valid layer-steps (0 for a sample that stopped after one token)."""
+    steps = s["drift"].shape[1]
+    bytes_moved = s.get("bytes_moved")
+    return {
+        "refresh_fraction": float(s["trigger"].mean()) if steps else 0.0,
+        "mean_drift": _mean(s["drift"]),
+        "mean_drift_exact": _mean(s.get("drift_exact")),
+        "keys_read_per_step": float(s["keys_read"].mean()) if steps else 0.0,
+        "values_read_per_step": float(s["values_read"].mean()) if steps else 0.0,
+        "detector_dots_per_step": float(s["detector_dots"].mean()) if steps else 0.0,
+        # all layers and KV heads: (L, steps) -> sum over layers, mean over steps
+        "bytes_moved_per_step": float(bytes_moved.sum(0).mean()) if steps and bytes_moved is not None else 0.0,
+    }
+
+
+def _lists(a: np.ndarray | None, dtype) -> list | None:
+    return None if a is None else a.astype(dtype).tolist()  # (L, steps) -> [layer][step]
+
+
+def output_row(job: JobStamp, sample: dict, method: str, result: Any, b: int, text: str) -> dict:
+    """The row of sample ``b`` of one method's ``rcr.GenerationResult`` (``text``: its decoded tokens)."""
+    s = result.sample(b)
+    decode_s = float(result.decode_s)
+    n_tokens = int(np.asarray(result.lengths).sum())  # the whole batch's, for tokens_per_s
+    return {
+        **_identity(job, sample, method, None),
+        "output_text": text,
+        "output_ids": s["tokens"].astype(np.int32).tolist(),
+        "n_steps": len(s["tokens"]),
+        "n_layers": s["drift"].shape[0],
+        "prefix_len": int(result.prefix_len[b]),
+        **telemetry_summary(s),
+        "drift": _lists(s["drift"], np.float32),
+        "drift_exact": _lists(s.get("drift_exact"), np.float32),
+        "trigger": _lists(s["trigger"], bool),
+        "tau": _lists(s["tau"], np.float32),
+        "top_prefix_pos": _lists(s.get("top_prefix_pos"), np.int32),
+        "prefill_s": float(result.prefill_s),
+        "decode_s": decode_s,
+        "tokens_per_s": n_tokens / decode_s if decode_s else None,
+        "error": None,
+    }
 
 
 def output_table(rows: list[dict]) -> pa.Table:

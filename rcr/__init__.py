@@ -3,7 +3,7 @@ its comparison methods), inside Hugging Face transformers.
 
     import rcr
     out = rcr.generate(model, inputs, method=["full", "bacon", "rcr"], max_new_tokens=512)
-    out["rcr"].sequences, out["rcr"].sample(0)["refresh_fraction"]
+    out["rcr"].sequences, out["rcr"].sample(0)["trigger"].mean()  # refresh fraction of sample 0
 """
 
 from . import attention  # registers the "rcr" attention function with transformers

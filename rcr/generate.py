@@ -130,28 +130,12 @@ class GenerationResult:
     offload: bool = False  # decoded in offload mode (prefix store in host memory, reads only on a trigger)
 
     def sample(self, b: int) -> dict:
-        """Sample b's outputs and telemetry trimmed to its length, as numpy (for tables and Parquet)."""
+        """Sample b's tokens (n,) and telemetry (L, n - 1) trimmed to its length, as numpy arrays; the
+        pipeline's output row (``pipeline/schema.py``) summarises them."""
         n = int(self.lengths[b])
         steps = max(n - 1, 0)
         tel = {k: (None if v is None else v[b, :, :steps]) for k, v in vars(self.telemetry).items()}
-
-        def mean(x):
-            return float(np.nanmean(x)) if x is not None and x.size and not np.all(np.isnan(x)) else None
-
-        return {
-            "tokens": self.sequences[b, :n].numpy(), "n_steps": n, "n_layers": tel["drift"].shape[0],
-            "prefix_len": int(self.prefix_len[b]),
-            **tel,
-            "refresh_fraction": float(tel["trigger"].mean()) if steps else 0.0,
-            "mean_drift": mean(tel["drift"]), "mean_drift_exact": mean(tel["drift_exact"]),
-            "keys_read_per_step": float(tel["keys_read"].mean()) if steps else 0.0,
-            "values_read_per_step": float(tel["values_read"].mean()) if steps else 0.0,
-            "detector_dots_per_step": float(tel["detector_dots"].mean()) if steps else 0.0,
-            # host-to-device prefix bytes per decode step, all layers and KV heads (offload mode; else 0)
-            "bytes_moved_per_step": (float(tel["bytes_moved"].sum(0).mean())
-                                     if steps and tel.get("bytes_moved") is not None else 0.0),
-            "prefill_s": self.prefill_s, "decode_s": self.decode_s,
-        }
+        return {"tokens": self.sequences[b, :n].numpy(), **tel}
 
 
 def build_cache(method: Method, prefix: PrefixStore, max_new_tokens: int,

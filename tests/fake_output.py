@@ -6,8 +6,11 @@ import numpy as np
 import pandas as pd
 
 DEFAULT_METHODS = ("full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "quest")
-WORDS = ("a red cube sits left of a small blue sphere on the grey floor while green cone "
-         "and yellow cylinder stand behind near wall under bright light with soft shadow").split()
+WORDS = [
+    "a", "red", "cube", "sits", "left", "of", "a", "small", "blue", "sphere", "on", "the", "grey", "floor", "while",
+    "green", "cone", "and", "yellow", "cylinder", "stand", "behind", "near", "wall", "under", "bright", "light",
+    "with", "soft", "shadow",
+]
 
 
 def _degrade(words: list[str], p: float, rng: np.random.Generator) -> list[str]:

@@ -33,7 +33,7 @@ RAY = str(Path(PY).parent / "ray")
 
 
 def synthetic_records(task: str, n: int, seed: int = 0) -> list[dict]:
-    from pipeline.synthetic import make_record
+    from pipeline.data.synthetic import make_record
 
     return [make_record(task, seed, i) for i in range(n)]
 
@@ -97,23 +97,23 @@ def bad_input_records(base: dict) -> tuple[list[dict], dict[str, str | None]]:
 
 
 class FakeResult:
+    """What the pipeline reads of an ``rcr.GenerationResult``: ``sample(b)``'s trimmed arrays, ``lengths``,
+    ``prefix_len`` and the timings."""
+
     def __init__(self, seqs: list[list[int]], n_layers: int, seed: int, prefill_s: float, decode_s: float):
         self.seqs, self.n_layers, self.seed = seqs, n_layers, seed
         self.lengths = np.array([len(s) for s in seqs])
+        self.prefix_len = np.full(len(seqs), 64)
         self.prefill_s, self.decode_s = prefill_s, decode_s
 
     def sample(self, b: int) -> dict:
         t = len(self.seqs[b])
         rng = np.random.default_rng(self.seed + b)
         drift = rng.random((self.n_layers, t)).astype(np.float32) * 0.1
-        trig = drift > 0.05
-        return {
-            "tokens": np.array(self.seqs[b]), "n_steps": t, "drift": drift, "drift_exact": None,
-            "trigger": trig, "tau": np.full((self.n_layers, t), 0.05, np.float32), "top_prefix_pos": None,
-            "refresh_fraction": float(trig.mean()) if t else 0.0, "mean_drift": float(drift.mean()) if t else None,
-            "keys_read_per_step": 160.0, "values_read_per_step": 32.0, "detector_dots_per_step": 10.0,
-            "prefix_len": 64,
-        }
+        per_step = {k: np.full((self.n_layers, t), v) for k, v in
+                    (("keys_read", 160.0), ("values_read", 32.0), ("detector_dots", 10.0))}
+        return {"tokens": np.array(self.seqs[b]), "drift": drift, "drift_exact": None, "trigger": drift > 0.05,
+                "tau": np.full((self.n_layers, t), 0.05, np.float32), "top_prefix_pos": None, **per_step}
 
 
 class FakeEngine:

@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline import convert, data
+from pipeline import data
+from pipeline.data import convert
 from pipeline.schema import INPUT_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,9 +158,8 @@ def test_textcaps_save_to_disk_layout(tmp_path):
     d = tmp_path / "textcaps_val"
     d.mkdir()
     t = textcaps_table(["x", "y", "z"])
-    with pa.OSFile(str(d / "data-00000-of-00001.arrow"), "wb") as sink:
-        with pa.ipc.new_stream(sink, t.schema) as w:
-            w.write_table(t)
+    with pa.OSFile(str(d / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as w:
+        w.write_table(t)
     (d / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}],
                                               "_split": "val"}))
     (d / "dataset_info.json").write_text("{}")

@@ -17,9 +17,9 @@ sys.path.insert(0, str(REPO / "jobs"))
 import train_embedded as T  # noqa: E402
 
 import rcr.models  # noqa: E402
-from pipeline import synthetic as S  # noqa: E402
-from pipeline.config import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
-from pipeline.metrics import rouge_l_f1  # noqa: E402
+from pipeline.data import synthetic as S  # noqa: E402
+from pipeline.run.config import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
+from pipeline.analysis.text_metrics import rouge_l_f1  # noqa: E402
 
 # RCR_EMBEDDED_MODEL lets a candidate (e.g. runs/train_embedded/final) be checked before it is shipped
 MODEL_DIR = Path(os.environ.get("RCR_EMBEDDED_MODEL", REPO / "assets" / "embedded" / "model"))

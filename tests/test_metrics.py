@@ -9,10 +9,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from fake_output import make_output_frame, write_output_dir
 from scipy import stats
 
-from fake_output import make_output_frame, write_output_dir
-from pipeline import metrics as M
+from pipeline.analysis import text_metrics
+from pipeline.analysis.analyze import analyze
+from pipeline.analysis.bootstrap import bootstrap_means, paired_bootstrap
+from pipeline.analysis.labels import parse_sweep_tau, sweep_methods
+from pipeline.analysis.report import format_summary
+from pipeline.analysis.telemetry import refresh_by_step, top_position_stability
+from pipeline.analysis.text_metrics import UnicodeTokenizer, cider_scores, rouge_l_f1, rouge_l_multi
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,15 +33,15 @@ def test_rouge_l_keeps_non_ascii_text():
     default = rouge_scorer.RougeScorer(["rougeL"])
     assert default.score("日本語の文", "中文句子")["rougeL"].fmeasure == 0.0
     assert default.score("日本語の文", "日本語の文です")["rougeL"].fmeasure == 0.0  # everything dropped
-    tok = M.UnicodeTokenizer()
+    tok = UnicodeTokenizer()
     assert tok.tokenize(ref) == ["ein", "großer", "hund", "läuft", "über", "die", "straße"]
     # ours: 5 of 7 tokens in common in order -> P = R = F = 5/7
-    assert M.rouge_l_f1(ref, cand) == pytest.approx(5 / 7)
+    assert rouge_l_f1(ref, cand) == pytest.approx(5 / 7)
     # CJK: one token per character; Cyrillic / Greek / accented words stay whole
     assert tok.tokenize("日本語の文") == ["日", "本", "語", "の", "文"]
-    assert M.rouge_l_f1("日本語の文", "日本語の文です") == pytest.approx(2 * 5 / (5 + 7))
-    assert M.rouge_l_f1("Привет, мир!", "привет мир") == 1.0
-    assert M.rouge_l_f1("καλημέρα κόσμε", "καλημέρα") == pytest.approx(2 / 3)
+    assert rouge_l_f1("日本語の文", "日本語の文です") == pytest.approx(2 * 5 / (5 + 7))
+    assert rouge_l_f1("Привет, мир!", "привет мир") == 1.0
+    assert rouge_l_f1("καλημέρα κόσμε", "καλημέρα") == pytest.approx(2 / 3)
     # Devanagari combining vowel signs must not split words
     assert tok.tokenize("नमस्ते दुनिया") == ["नमस्ते", "दुनिया"]
     # ASCII agrees with the default tokenizer (no stemming)
@@ -44,12 +50,12 @@ def test_rouge_l_keeps_non_ascii_text():
 
 
 def test_rouge_l_edge_cases():
-    assert M.rouge_l_f1("", "") == 1.0
-    assert M.rouge_l_f1("...", "!!") == 1.0  # both empty after tokenisation: identical outputs
-    assert M.rouge_l_f1("a cat", "") == 0.0
-    assert M.rouge_l_f1("a cat sat", "a cat sat") == 1.0
-    assert M.rouge_l_multi(["a dog", "a cat sat"], "a cat sat") == 1.0  # max over references
-    assert np.isnan(M.rouge_l_multi([], "x"))
+    assert rouge_l_f1("", "") == 1.0
+    assert rouge_l_f1("...", "!!") == 1.0  # both empty after tokenisation: identical outputs
+    assert rouge_l_f1("a cat", "") == 0.0
+    assert rouge_l_f1("a cat sat", "a cat sat") == 1.0
+    assert rouge_l_multi(["a dog", "a cat sat"], "a cat sat") == 1.0  # max over references
+    assert np.isnan(rouge_l_multi([], "x"))
 
 
 def test_cider_pure_python_and_multi_reference():
@@ -58,7 +64,7 @@ def test_cider_pure_python_and_multi_reference():
             ["a blue sphere by the wall"],
             ["a green cone", "green cone in light"],
             []]
-    s = M.cider_scores(cands, refs)
+    s = cider_scores(cands, refs)
     assert np.isnan(s[3])  # no references -> not scored
     assert np.all(np.isfinite(s[:3])) and s[0] > s[2] > 0
     # matches pycocoevalcap called directly on the same tokenised text
@@ -67,7 +73,7 @@ def test_cider_pure_python_and_multi_reference():
     _, direct = Cider().compute_score({i: refs[i] for i in range(3)}, {i: [cands[i]] for i in range(3)})
     np.testing.assert_allclose(s[:3], direct)
     # non-ASCII survives tokenisation (otherwise these would all score 0)
-    u = M.cider_scores(["große straße", "kleine brücke"], [["große straße"], ["kleine brücke"]])
+    u = cider_scores(["große straße", "kleine brücke"], [["große straße"], ["kleine brücke"]])
     assert np.all(u > 0)
 
 
@@ -81,7 +87,7 @@ def test_bootstrap_coverage_400_datasets():
     t0 = time.time()
     covered = 0
     for j in range(datasets):
-        _, lo, hi = M.bootstrap_means(data[j], n_resamples=resamples, seed=j)
+        _, lo, hi = bootstrap_means(data[j], n_resamples=resamples, seed=j)
         covered += bool(lo[0] <= true_mean <= hi[0])
     rate = covered / datasets
     assert 0.92 <= rate <= 0.98, rate
@@ -96,7 +102,7 @@ def test_bootstrap_paired_coverage_of_difference():
     for j in range(datasets):
         base = rng.beta(3, 3, size=n)
         a = np.clip(base + rng.normal(0.05, 0.05, size=n), -10, 10)  # true difference 0.05
-        t = M.paired_bootstrap(pd.DataFrame({"a": a, "bacon": base}), baselines=("bacon",),
+        t = paired_bootstrap(pd.DataFrame({"a": a, "bacon": base}), baselines=("bacon",),
                                n_resamples=1000, seed=j).set_index("method")
         covered += bool(t.loc["a", "diff_bacon_ci_low"] <= 0.05 <= t.loc["a", "diff_bacon_ci_high"])
     assert 0.92 <= covered / datasets <= 0.98
@@ -105,7 +111,7 @@ def test_bootstrap_paired_coverage_of_difference():
 def test_identical_methods_give_exact_zero_difference():
     rng = np.random.default_rng(0)
     x = rng.random(50)
-    t = M.paired_bootstrap(pd.DataFrame({"bacon": x, "copy": x.copy(), "rcr": x + 0.1}), n_resamples=10_000,
+    t = paired_bootstrap(pd.DataFrame({"bacon": x, "copy": x.copy(), "rcr": x + 0.1}), n_resamples=10_000,
                            seed=3).set_index("method")
     assert t.loc["copy", "diff_bacon"] == 0.0
     assert t.loc["copy", "diff_bacon_ci_low"] == 0.0 and t.loc["copy", "diff_bacon_ci_high"] == 0.0
@@ -114,12 +120,12 @@ def test_identical_methods_give_exact_zero_difference():
     assert t.loc["rcr", "diff_bacon_ci_low"] == t.loc["rcr", "diff_bacon_ci_high"]
     assert t.loc["rcr", "diff_bacon"] == pytest.approx(0.1)
     # all-identical values (e.g. `full` = 1.0 everywhere): CI [1, 1], no NaN
-    mean, lo, hi = M.bootstrap_means(np.ones(20))
+    mean, lo, hi = bootstrap_means(np.ones(20))
     assert (mean[0], lo[0], hi[0]) == (1.0, 1.0, 1.0)
     # ... and through analyze(): two methods with identical outputs
     df = make_output_frame(n_samples=12, methods=("full", "bacon", "rcr"))
     twin = df[df.method == "bacon"].assign(method="bacon_twin")
-    a = M.analyze(pd.concat([df, twin]), bootstrap_resamples=2000).methods.set_index("method")
+    a = analyze(pd.concat([df, twin]), bootstrap_resamples=2000).methods.set_index("method")
     assert a.loc["bacon_twin", ["diff_bacon", "diff_bacon_ci_low", "diff_bacon_ci_high"]].tolist() == [0, 0, 0]
     assert a.loc["full", ["fidelity", "fidelity_ci_low", "fidelity_ci_high"]].tolist() == [1, 1, 1]
     assert not a[["fidelity", "fidelity_ci_low", "fidelity_ci_high"]].isna().any().any()
@@ -129,7 +135,7 @@ def test_bootstrap_matches_scipy_paired_percentile():
     rng = np.random.default_rng(1)
     a = rng.beta(5, 2, 40)
     b = np.clip(a - rng.normal(0.1, 0.1, 40), 0, 1)
-    t = M.paired_bootstrap(pd.DataFrame({"m": a, "bacon": b}), baselines=("bacon",), n_resamples=10_000,
+    t = paired_bootstrap(pd.DataFrame({"m": a, "bacon": b}), baselines=("bacon",), n_resamples=10_000,
                            seed=0).set_index("method")
     ref = stats.bootstrap((a, b), lambda x, y, axis=-1: np.mean(x - y, axis=axis), paired=True,
                           vectorized=True, n_resamples=10_000, method="percentile", random_state=0)
@@ -142,12 +148,12 @@ def test_bootstrap_matches_scipy_paired_percentile():
 
 def test_bootstrap_is_seeded_and_shared():
     x = np.random.default_rng(2).random((30, 3))
-    r1 = M.bootstrap_means(x, n_resamples=500, seed=11)
-    r2 = M.bootstrap_means(x, n_resamples=500, seed=11)
+    r1 = bootstrap_means(x, n_resamples=500, seed=11)
+    r2 = bootstrap_means(x, n_resamples=500, seed=11)
     for u, v in zip(r1, r2):
         np.testing.assert_array_equal(u, v)
     # chunking does not change the result (same index stream)
-    r3 = M.bootstrap_means(x, n_resamples=500, seed=11, max_chunk_elems=30 * 7)
+    r3 = bootstrap_means(x, n_resamples=500, seed=11, max_chunk_elems=30 * 7)
     for u, v in zip(r1, r3):
         np.testing.assert_array_equal(u, v)
 
@@ -161,7 +167,7 @@ def frame():
 
 @pytest.fixture(scope="module")
 def analysis(frame):
-    return M.analyze(frame, bootstrap_resamples=2000, seed=0)
+    return analyze(frame, bootstrap_resamples=2000, seed=0)
 
 
 def test_analyze_tables(frame, analysis):
@@ -219,7 +225,7 @@ def test_stability_by_hand():
     df = pd.DataFrame({"sample_id": ["a", "b"], "method": ["full", "full"], "model": ["m", "m"],
                        "output_text": ["x", "y"], "error": [None, None],
                        "top_prefix_pos": [[[1, 1, 2, 2], [5, 5, 5, 5]], [[0, 1, 2, -1]]]})
-    s = M.top_position_stability(df)
+    s = top_position_stability(df)
     # a: layer0 pairs (1,1)=same,(1,2)=diff,(2,2)=same; layer1 3 same -> 5/6; b: 2 valid pairs, 0 same
     assert s.n_pairs.iloc[0] == 8 and s.fraction_unchanged.iloc[0] == pytest.approx(5 / 8)
     assert s.fraction_unchanged_sample_mean.iloc[0] == pytest.approx((5 / 6 + 0) / 2)
@@ -228,16 +234,16 @@ def test_stability_by_hand():
 def test_missing_full_and_multiple_models():
     df = make_output_frame(n_samples=10, methods=("full", "bacon", "rcr"), models=("m1", "m2"))
     df = df[~((df.model == "m2") & (df.sample_id == "s0003") & (df.method == "full"))]
-    a = M.analyze(df, bootstrap_resamples=500)
+    a = analyze(df, bootstrap_resamples=500)
     assert a.meta["models"] == ["m1", "m2"] and a.meta["n_samples_without_full"] == 1
     m = a.methods.set_index(["model", "method"])
     assert m.loc[("m2", "rcr"), "n"] == 9 and m.loc[("m1", "rcr"), "n"] == 10
-    txt = M.format_summary(a)
+    txt = format_summary(a)
     assert "== model: m1 ==" in txt and "== model: m2 ==" in txt
 
 
 def test_format_summary(analysis):
-    txt = M.format_summary(analysis)
+    txt = format_summary(analysis)
     header = txt.splitlines()[1]
     for col in ("method", "fidelity [95% CI]", "vs bacon [CI]", "refresh", "reads/step"):
         assert col in header
@@ -248,7 +254,7 @@ def test_format_summary(analysis):
 
 
 def test_refresh_by_step(frame):
-    r = M.refresh_by_step(frame, "rcr")
+    r = refresh_by_step(frame, "rcr")
     assert list(r.columns) == ["step", "refresh_rate", "tau_mean", "n_samples"]
     assert r.refresh_rate.between(0, 1).all() and r.n_samples.iloc[0] > r.n_samples.iloc[-1] >= 1
     assert r.tau_mean.iloc[0] == pytest.approx(0.03, rel=0.05)
@@ -264,19 +270,13 @@ def test_refresh_by_step_of_a_method_without_a_threshold_is_quiet(frame):
     d.loc[static, "tau"] = d.loc[static, "tau"].map(lambda t: [[float("nan")] * len(r) for r in t])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        r = M.refresh_by_step(d, "bacon")
+        r = refresh_by_step(d, "bacon")
     assert len(r) and r.tau_mean.isna().all() and (r.refresh_rate == 0).all()
 
 
 def test_sweep_labels():
-    assert M.sweep_methods() == ["fixed@0.02", "fixed@0.03", "fixed@0.05", "fixed@0.1", "fixed@0.15"]
-    assert M.parse_sweep_tau("fixed@0.1") == 0.1 and M.parse_sweep_tau("rcr") is None
-
-
-def test_column_names_match_output_schema():
-    from pipeline.schema import OUTPUT_SCHEMA
-
-    assert set(M.Col.ALL) <= set(OUTPUT_SCHEMA.names), sorted(set(M.Col.ALL) - set(OUTPUT_SCHEMA.names))
+    assert sweep_methods() == ["fixed@0.02", "fixed@0.03", "fixed@0.05", "fixed@0.1", "fixed@0.15"]
+    assert parse_sweep_tau("fixed@0.1") == 0.1 and parse_sweep_tau("rcr") is None
 
 
 def test_docs_pandas_queries_run(tmp_path, frame):
@@ -297,8 +297,8 @@ def test_docs_pandas_queries_run(tmp_path, frame):
 
 def test_parallel_rouge_matches_serial(monkeypatch):
     df = make_output_frame(n_samples=6, methods=("full", "bacon", "rcr"))
-    serial = M.analyze(df, bootstrap_resamples=200, n_jobs=1).per_sample
-    monkeypatch.setattr(M, "PARALLEL_MIN_CELLS", 1)
-    parallel = M.analyze(df, bootstrap_resamples=200, n_jobs=2).per_sample
+    serial = analyze(df, bootstrap_resamples=200, n_jobs=1).per_sample
+    monkeypatch.setattr(text_metrics, "PARALLEL_MIN_CELLS", 1)
+    parallel = analyze(df, bootstrap_resamples=200, n_jobs=2).per_sample
     pd.testing.assert_series_equal(serial.fidelity, parallel.fidelity)
     pd.testing.assert_series_equal(serial.rougeL_ref, parallel.rougeL_ref)

@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_helpers import bad_input_records, fake_model_dir, synthetic_records
 
-from pipeline.actor import METHODS_COLUMN, SampleEvaluator
-from pipeline.config import JobConfig
+from pipeline.run.actor import METHODS_COLUMN, SampleEvaluator
+from pipeline.run.config import JobConfig
 from pipeline.schema import OUTPUT_SCHEMA, validate_output_table
 
 METHODS = ["full", "bacon", "rcr"]
@@ -41,7 +41,7 @@ def test_rows_per_sample_and_method(evaluator):
     assert (df["n_steps"] == df["output_ids"].map(len)).all()
     row = df.iloc[0]
     assert len(row["drift"]) == row["n_layers"] == 2 and len(row["drift"][0]) == row["n_steps"]
-    assert row["config_hash"] == evaluator.config_hash and row["references"].tolist() == recs[0]["references"]
+    assert row["config_hash"] == evaluator.job.config_hash and row["references"].tolist() == recs[0]["references"]
 
 
 def test_resume_column_limits_methods(evaluator):
@@ -87,7 +87,8 @@ def test_video_frames_reach_the_engine_as_one_sample(evaluator):
 
 
 def test_embedded_shards_are_generated_once(tmp_path, monkeypatch):
-    from pipeline import data, run
+    from pipeline import data
+    from pipeline.run import driver as run
 
     monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path))
     monkeypatch.setitem(data.EMBEDDED_SIZES, "textcaps", 3)

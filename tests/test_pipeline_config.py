@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pipeline.config import ConfigError, JobConfig
+from pipeline.run.config import ConfigError, JobConfig
 
 
 def test_defaults_resolve_absolute_paths(tmp_path, monkeypatch):
@@ -75,9 +75,8 @@ def test_config_hash_ignores_batching_and_paths():
 
 
 def test_help_lists_every_registered_method():
+    from pipeline.run.config import build_arg_parser
     from rcr.methods import METHODS
-
-    from pipeline.config import build_arg_parser
 
     text = " ".join(build_arg_parser("detailcaps").format_help().split())  # undo argparse's line wrapping
     for name in METHODS:
@@ -86,7 +85,7 @@ def test_help_lists_every_registered_method():
 
 
 def test_all_methods_expands_to_the_core_registry():
-    from pipeline.config import available_methods
+    from pipeline.run.config import available_methods
 
     cfg = JobConfig.from_args(["--methods", "all,fixed@0.05"], task="detailcaps")
     assert cfg.methods == [*available_methods(), "fixed@0.05"]

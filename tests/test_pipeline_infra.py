@@ -19,7 +19,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_helpers import PY, REPO, free_port, synthetic_records, write_shard
 
-from pipeline.config import JobConfig
+from pipeline.run.config import JobConfig
 
 RAYJOB = REPO / "infra" / "kuberay-rayjob.yaml"
 JOBS = ("detailcaps", "textcaps", "video")

@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_helpers import synthetic_records, write_shard
 
-from pipeline.config import ConfigError
-from pipeline.io import OutputStore, make_plan, resolve_shards, scan_shards
+from pipeline.run.config import ConfigError
+from pipeline.run.store import OutputStore, make_plan, resolve_shards, scan_shards
 from pipeline.schema import output_table
 
 

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
+from fake_output import make_output_frame, write_output_dir
 from mlflow import MlflowClient
 
-from fake_output import make_output_frame, write_output_dir
-from pipeline import tracking
+from pipeline.analysis import tracking
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("full", "bacon", "exact", "fixed", "rcr", "fixed@0.05")

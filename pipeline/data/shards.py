@@ -1,29 +1,29 @@
 """Reading and writing input shards (Parquet, ``pipeline.schema.INPUT_SCHEMA``).
 
-* Shards are written to a temporary name in the target directory and renamed into place, so a shard
-  that exists under its final name is complete. A directory of shards gets a ``_SUCCESS`` marker
+* Shards are written atomically (``rcr/fileio.py``), so a shard that exists under its final name is
+  complete. A directory of shards gets a ``_SUCCESS`` marker
   (with the row count) only after its last shard is in place; readers refuse a directory without it
   unless ``require_complete=False``.
 * ``read_input`` accepts a ``.parquet``/``.arrow`` file or a directory of them, validates the schema and
   names the file in every error.
-* ``write_synthetic`` generates synthetic samples (``pipeline.synthetic``) in worker processes; the
+* ``write_synthetic`` generates synthetic samples (``pipeline/data/synthetic.py``) in worker processes; the
   output depends only on (task, n, seed), never on the number of workers.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import uuid
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.schema import INPUT_SCHEMA, SchemaError, input_table_from_records, validate_input_table
+from pipeline.data import synthetic
+from pipeline.schema import input_table_from_records, validate_input_table
+from rcr.fileio import atomic_path, atomic_write_text
 
 SUCCESS_MARKER = "_SUCCESS"
 
@@ -32,61 +32,20 @@ class DataError(ValueError):
     """Bad input data: an unreadable file, an undecodable image, an incomplete shard directory."""
 
 
-# ------------------------------------------------------------------------------------------- images
-def decode_image(data: bytes, where: str = "image"):
-    """Decode encoded image bytes to an RGB PIL image, or raise DataError naming ``where``."""
-    from PIL import Image, UnidentifiedImageError
-
-    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
-        raise DataError(f"{where}: expected encoded image bytes, got {type(data).__name__} of length "
-                        f"{len(data) if hasattr(data, '__len__') else '?'}")
-    try:
-        img = Image.open(io.BytesIO(bytes(data)))
-        img.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise DataError(f"{where}: cannot decode image bytes ({e})") from e
-    return img.convert("RGB")
-
-
-def encode_image(img, fmt: str = "PNG") -> bytes:
-    """Encode a PIL image (or HxWx3 uint8 array) to bytes."""
-    from PIL import Image
-
-    if not isinstance(img, Image.Image):
-        img = Image.fromarray(img)
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def sample_images(row: dict, where: str = "sample"):
-    """Decoded PIL images (frames, for video) of one input row."""
-    sid = row.get("sample_id", "?")
-    return [decode_image(b, f"{where}: sample_id={sid!r} field 'images'[{i}]") for i, b in enumerate(row["images"])]
-
-
 # ------------------------------------------------------------------------------------------- write
 def write_shard(table: pa.Table, path: str | os.PathLike, validate: bool = True) -> Path:
-    """Write ``table`` as one Parquet shard at ``path`` via a temporary file and an atomic rename."""
+    """Write ``table`` as one Parquet shard at ``path``, atomically (``rcr/fileio.py``)."""
     path = Path(path)
     if validate:
         table = validate_input_table(table, where=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_path(path) as fh:
+        pq.write_table(table, fh, compression="zstd")
     return path
 
 
 def mark_complete(out_dir: str | os.PathLike, rows: int, extra: dict | None = None) -> None:
-    out_dir = Path(out_dir)
-    tmp = out_dir / f".{SUCCESS_MARKER}.tmp"
-    tmp.write_text(json.dumps({"rows": rows, **(extra or {})}))
-    os.replace(tmp, out_dir / SUCCESS_MARKER)
+    atomic_write_text(json.dumps({"rows": rows, **(extra or {})}), Path(out_dir) / SUCCESS_MARKER)
 
 
 def write_shards(records: Iterable[dict], out_dir: str | os.PathLike, shard_size: int = 256,
@@ -160,22 +119,17 @@ def read_input(path: str | os.PathLike, require_complete: bool = True, limit: in
 
 
 def iter_input_rows(path: str | os.PathLike, require_complete: bool = True):
-    for row in read_input(path, require_complete).to_pylist():
-        yield row
+    yield from read_input(path, require_complete).to_pylist()
 
 
 # ------------------------------------------------------------------------------------------- synthetic
 def _synthetic_chunk(args):
-    from pipeline import synthetic
-
     task, seed, start, stop = args
     return [synthetic.make_record(task, seed, i) for i in range(start, stop)]
 
 
 def synthetic_records(task: str, n: int, seed: int = 0, workers: int = 1, chunk: int = 64):
     """Records ``0..n-1`` of the synthetic ``task`` in order; identical for any ``workers``."""
-    from pipeline import synthetic
-
     synthetic.check_task(task)
     if n < 0:
         raise synthetic.SyntheticError(f"n must be >= 0, got {n}")
@@ -204,16 +158,8 @@ def write_synthetic_shards(task: str, out_dir: str | os.PathLike, n: int | None 
                            shard_size: int = 256, workers: int = 1) -> list[Path]:
     """The embedded default's shards: held-out synthetic samples (seed ``synthetic.HELDOUT_SEED``, never
     seen in training) of ``task``; ``n`` defaults to ``EMBEDDED_SIZES[task]``."""
-    from pipeline import synthetic
-
     synthetic.check_task(task)
     n = EMBEDDED_SIZES[task] if n is None else n
     seed = synthetic.HELDOUT_SEED if seed is None else seed
     return write_synthetic(out_dir, task, n, seed, shard_size, workers)
 
-
-__all__ = [
-    "DataError", "SchemaError", "INPUT_SCHEMA", "decode_image", "encode_image", "sample_images", "write_shard",
-    "write_shards", "mark_complete", "read_input", "iter_input_rows", "synthetic_records", "write_synthetic",
-    "write_synthetic_shards", "EMBEDDED_SIZES",
-]

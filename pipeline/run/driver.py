@@ -3,7 +3,7 @@
 ::
 
     cfg = JobConfig.from_args(task="detailcaps")   # validated: bad fields fail here, before any model work
-    report = pipeline.run.run(cfg)
+    result = pipeline.run.driver.run(cfg)
 
 Steps:
 
@@ -29,16 +29,18 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import data, metrics, tracking
-from pipeline.actor import METHODS_COLUMN, SampleEvaluator, error_rows
-from pipeline.config import (
+from pipeline.analysis import report, tracking
+from pipeline.analysis.analyze import analyze
+from pipeline.data import shards
+from pipeline.run.actor import METHODS_COLUMN, SampleEvaluator
+from pipeline.run.config import (
     EMBEDDED,
     EMBEDDED_MODEL_DIR,
     REPO_ROOT,
     ConfigError,
     JobConfig,
 )
-from pipeline.io import (
+from pipeline.run.store import (
     OutputStore,
     Plan,
     fingerprint_row,
@@ -48,6 +50,7 @@ from pipeline.io import (
     resolve_shards,
     scan_shards,
 )
+from pipeline.schema import INPUT_SCHEMA, JobStamp, error_rows, output_table
 
 READER_CPUS = 0.25  # read/select tasks are light; small CPU requests keep them schedulable beside the actors
 DATA_RESERVE_CPUS = 1.0  # Ray Data's file-listing task asks for 1 CPU; CPU-only actors leave room for it
@@ -66,7 +69,7 @@ def embedded_shards(task: str) -> list[str]:
     if shipped.is_dir() and any(shipped.glob("*.parquet")):
         return [str(shipped)]
     cache = Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve() / "shards" / task
-    if not (cache / data.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
+    if not (cache / shards.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
         write_embedded_shards(task, cache)
     return [str(cache)]
 
@@ -74,7 +77,7 @@ def embedded_shards(task: str) -> list[str]:
 def write_embedded_shards(task: str, out_dir: Path, n: int | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     say(f"writing the embedded synthetic {task} shards to {out_dir}")
-    data.write_synthetic_shards(task=task, out_dir=str(out_dir), n=n)
+    shards.write_synthetic_shards(task=task, out_dir=str(out_dir), n=n)
 
 
 def check_model_available(cfg: JobConfig) -> None:
@@ -84,9 +87,8 @@ def check_model_available(cfg: JobConfig) -> None:
 
 
 def plan_job(cfg: JobConfig, store: OutputStore) -> tuple[list[str], Plan]:
-    shard_specs = cfg.shards
-    shards = embedded_shards(cfg.task) if shard_specs == [EMBEDDED] else shard_specs
-    paths = resolve_shards(shards)
+    specs = embedded_shards(cfg.task) if cfg.shards == [EMBEDDED] else cfg.shards
+    paths = resolve_shards(specs)
     rows, dup_accept = scan_shards(paths, cfg.limit)
     if not rows:
         raise ConfigError("shards", "the shards hold no rows")
@@ -168,8 +170,6 @@ def actor_resources(cfg: JobConfig, cluster: dict[str, float]) -> dict[str, floa
 
 
 def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: dict[str, float]):
-    from pipeline.schema import INPUT_SCHEMA
-
     ctx = ray.data.DataContext.get_current()
     ctx.max_errored_blocks = 0
     ds = ray.data.read_parquet(paths, columns=list(INPUT_SCHEMA.names), num_cpus=READER_CPUS)
@@ -219,6 +219,84 @@ class _Progress:
                 f"{self.errors} error rows, {rate:.2f} samples/s, {el:.0f}s elapsed{eta}")
 
 
+class PartWriter:
+    """Writes each result block of a run as one atomic part, each planned key exactly once.
+
+    Rows whose key is already written or was never planned (a batch that Ray retried after its output had
+    arrived) are dropped before the write."""
+
+    def __init__(self, store: OutputStore, run_id: str, expected: set[tuple[str, str]], progress: _Progress,
+                 t0: float):
+        self.store, self.run_id, self.expected, self.progress = store, run_id, expected, progress
+        self.t0 = t0  # time.perf_counter() at the start of the run
+        self.written: set[tuple[str, str]] = set()
+        self.seq = 0  # parts written
+        self.write_times: list[float] = []  # seconds since the start of the run, one per part
+        self.write_samples: list[int] = []  # distinct samples per part
+
+    def write(self, table: pa.Table) -> None:
+        keys = zip(table.column("sample_id").to_pylist(), table.column("method").to_pylist())
+        mask = []
+        for k in keys:
+            mask.append(k in self.expected and k not in self.written)
+            if mask[-1]:
+                self.written.add(k)
+        dropped = len(mask) - sum(mask)
+        if dropped:
+            say(f"dropping {dropped} row(s) already written or not planned (a retried batch)")
+            table = table.filter(pa.array(mask))
+        if not table.num_rows:
+            return
+        self.store.write_part(table, self.run_id, self.seq)
+        self.seq += 1
+        self.write_times.append(time.perf_counter() - self.t0)
+        self.write_samples.append(len(set(table.column("sample_id").to_pylist())))
+        self.progress.update(table)
+
+    def missing(self) -> list[tuple[str, str]]:
+        return sorted(self.expected - self.written)
+
+
+def _new_record(cfg: JobConfig, run_id: str, paths: list[str], plan: Plan) -> dict[str, Any]:
+    """The run record as it is written before any model work (``status: running``)."""
+    pending = {**plan.todo, **{r.key: plan.missing_for(r.key) for r in plan.driver_errors}}
+    return {
+        "run_id": run_id, "job_name": cfg.job_name, "config_hash": cfg.config_hash, "config": cfg.to_dict(),
+        "shards": paths, "n_samples": len(plan.rows), "methods": plan.methods, "n_pairs": plan.n_pairs,
+        "n_existing": plan.n_existing, "n_planned": plan.n_todo_pairs,
+        "planned": sorted([k, m] for k, ms in pending.items() for m in ms),
+        "status": "running", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def _driver_error_table(cfg: JobConfig, plan: Plan) -> pa.Table:
+    """Rows the driver rejects itself (duplicate / missing sample_id): error rows, no model work."""
+    job = JobStamp(model=cfg.model, config_hash=cfg.config_hash, job_name=cfg.job_name, task=cfg.task)
+    full_rows = read_rows(plan.driver_errors)
+    rows = []
+    for r in plan.driver_errors:
+        rows.extend(error_rows(job, full_rows[(r.file, r.row)], plan.missing_for(r.key), r.error, key=r.key))
+    return output_table(rows)
+
+
+def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) -> tuple[str, str | None]:
+    """The model work, through Ray: every result block to ``writer``. Returns (status, error)."""
+    ray = _ray_init(cfg)
+    res = actor_resources(cfg, ray.cluster_resources())
+    say(f"ray: {ray.cluster_resources().get('CPU', 0):.0f} CPU / {ray.cluster_resources().get('GPU', 0):.0f} GPU; "
+        f"{cfg.num_actors} actor(s) x (num_gpus={res['num_gpus']:g}, num_cpus={res['num_cpus']:g}, "
+        f"torch threads {res['torch_threads']}), batch size {cfg.batch_size}")
+    ds = _build_dataset(ray, cfg, paths, plan, res)
+    try:
+        for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            writer.write(block)
+    except Exception as e:  # noqa: BLE001 - record, report, and exit non-zero below
+        error = f"{type(e).__name__}: {e}"
+        say(f"the Ray pipeline failed: {error}")
+        return "failed", error
+    return "ok", None
+
+
 def run(cfg: JobConfig) -> dict[str, Any]:
     """Run one job to completion (or to the first unrecoverable failure). Returns a report dict."""
     t_start = time.perf_counter()
@@ -234,95 +312,36 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     say(f"{len(paths)} shard file(s), {len(plan.rows)} samples x {len(plan.methods)} methods = {plan.n_pairs} rows; "
         f"{plan.n_existing} already in the output dir, {plan.n_todo_pairs} to compute "
         f"({n_samples_todo} samples), run id {run_id}")
-    record: dict[str, Any] = {
-        "run_id": run_id, "job_name": cfg.job_name, "config_hash": cfg.config_hash, "config": cfg.to_dict(),
-        "shards": paths, "n_samples": len(plan.rows), "methods": plan.methods, "n_pairs": plan.n_pairs,
-        "n_existing": plan.n_existing, "n_planned": plan.n_todo_pairs,
-        "planned": sorted([k, m] for k, ms in {**plan.todo, **{r.key: plan.missing_for(r.key) for r in
-                                                              plan.driver_errors}}.items() for m in ms),
-        "status": "running", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
+    record = _new_record(cfg, run_id, paths, plan)
     store.write_run_record(run_id, record)
 
-    written: set[tuple[str, str]] = set()
-    expected = {(k, m) for k, m in record["planned"]}
     progress = _Progress(plan.n_todo_pairs, n_samples_todo, cfg.progress_every_s)
-    seq = 0
-    write_times: list[float] = []  # seconds since the start of the run, one per part written
-    first_write_samples = 0
-    write_samples: list[int] = []  # distinct samples per part written
-
-    def write(table: pa.Table) -> None:
-        nonlocal seq, first_write_samples
-        keys = list(zip(table.column("sample_id").to_pylist(), table.column("method").to_pylist()))
-        mask = []
-        for k in keys:
-            ok = k in expected and k not in written
-            mask.append(ok)
-            if ok:
-                written.add(k)
-        dropped = len(mask) - sum(mask)
-        if dropped:
-            say(f"dropping {dropped} row(s) already written or not planned (a retried batch)")
-            table = table.filter(pa.array(mask))
-        if table.num_rows:
-            store.write_part(table, run_id, seq)
-            seq += 1
-            write_times.append(time.perf_counter() - t_start)
-            write_samples.append(len(set(table.column("sample_id").to_pylist())))
-            if seq == 1:
-                first_write_samples = len(set(table.column("sample_id").to_pylist()))
-            progress.update(table)
-
-    # 1. rows the driver rejects itself (duplicate / missing sample_id): no model work
+    writer = PartWriter(store, run_id, {(k, m) for k, m in record["planned"]}, progress, t_start)
     if plan.driver_errors:
-        from pipeline.schema import output_table
+        writer.write(_driver_error_table(cfg, plan))
+    status, error = _stream(cfg, paths, plan, writer) if plan.todo else ("ok", None)
 
-        full_rows = read_rows(plan.driver_errors)
-        out = []
-        for r in plan.driver_errors:
-            out.extend(error_rows(full_rows[(r.file, r.row)], plan.missing_for(r.key), r.error, cfg,
-                                  cfg.config_hash, key=r.key))
-        write(output_table(out))
-
-    # 2. the model work, through Ray
-    status = "ok"
-    error = None
-    if plan.todo:
-        ray = _ray_init(cfg)
-        res = actor_resources(cfg, ray.cluster_resources())
-        say(f"ray: {ray.cluster_resources().get('CPU', 0):.0f} CPU / {ray.cluster_resources().get('GPU', 0):.0f} GPU; "
-            f"{cfg.num_actors} actor(s) x (num_gpus={res['num_gpus']:g}, num_cpus={res['num_cpus']:g}, "
-            f"torch threads {res['torch_threads']}), batch size {cfg.batch_size}")
-        ds = _build_dataset(ray, cfg, paths, plan, res)
-        try:
-            for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                write(block)
-        except Exception as e:  # noqa: BLE001 - record, report, and exit non-zero below
-            status, error = "failed", f"{type(e).__name__}: {e}"
-            say(f"the Ray pipeline failed: {error}")
-
-    missing = sorted(expected - written)
+    missing = writer.missing()
     if missing and status == "ok":
         status = "incomplete"
-    record.update(status=status, error=error, n_written=len(written), n_missing=len(missing),
+    record.update(status=status, error=error, n_written=len(writer.written), n_missing=len(missing),
                   finished=time.strftime("%Y-%m-%dT%H:%M:%S"), wall_s=time.perf_counter() - t_start,
-                  written_parts=seq)
+                  written_parts=writer.seq)
     store.write_run_record(run_id, record)
     if missing:
         say(f"{len(missing)} planned row(s) were not written (e.g. {missing[0]}); rerun the same command to "
             "compute only those")
-    say(f"wrote {len(written)} row(s) in {seq} part file(s) in {time.perf_counter() - t_start:.1f}s")
-
-    report = {"run_id": run_id, "status": status, "output_dir": cfg.output_dir, "mlflow_uri": cfg.mlflow_uri,
-              "n_pairs": plan.n_pairs, "n_existing": plan.n_existing, "n_written": len(written),
-              "n_missing": len(missing), "error": error, "write_times_s": write_times,
-              "write_samples": write_samples, "first_write_samples": first_write_samples}
+    say(f"wrote {len(writer.written)} row(s) in {writer.seq} part file(s) in {time.perf_counter() - t_start:.1f}s")
+    out = {"run_id": run_id, "status": status, "output_dir": cfg.output_dir, "mlflow_uri": cfg.mlflow_uri,
+           "n_pairs": plan.n_pairs, "n_existing": plan.n_existing, "n_written": len(writer.written),
+           "n_missing": len(missing), "error": error, "write_times_s": writer.write_times,
+           "write_samples": writer.write_samples,
+           "first_write_samples": writer.write_samples[0] if writer.write_samples else 0}
     if cfg.summary:
-        report.update(summarize(cfg, store))
+        out.update(summarize(cfg, store))
     say(f"Parquet: {cfg.output_dir}  (pandas: pd.read_parquet({cfg.output_dir!r}))")
     say(f"MLflow runs: {cfg.mlflow_uri}  (UI: {tracking.ui_hint(cfg.mlflow_uri)})")
-    return report
+    return out
 
 
 # ---------------------------------------------------------------------- summary
@@ -330,7 +349,6 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
 def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     """The per-method summary of the whole output dir (this run and earlier ones), and MLflow logging."""
-
     table = store.read()
     if table is None:
         return {}
@@ -340,12 +358,12 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     text = None
     analysis = None
     try:
-        analysis = metrics.analyze(df)
-        text = metrics.format_summary(analysis)
+        analysis = analyze(df)
+        text = report.format_summary(analysis)
     except Exception as e:  # noqa: BLE001 - the summary must never lose the outputs
         say(f"the statistics failed ({type(e).__name__}: {e}); printing the minimal summary")
     if text is None:
-        text = minimal_summary(df)
+        text = report.minimal_summary(df)
     print(text, flush=True)
     out["summary"] = text
     try:
@@ -357,49 +375,14 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     return out
 
 
-def minimal_summary(df) -> str:
-    """Per method: rows, errors, fidelity mean (ROUGE-L F1 vs full, whitespace tokens), refresh fraction."""
-    import numpy as np
-
-    ok = df[df["error"].isna()]
-    full = ok[ok["method"] == "full"].set_index("sample_id")["output_text"].to_dict()
-    lines = [f"{'method':<18}{'rows':>6}{'errors':>8}{'fidelity':>10}{'refresh':>9}"]
-    for m, g in df.groupby("method", sort=False):
-        gok = g[g["error"].isna()]
-        fid = [_rouge_l(full[s], t) for s, t in zip(gok["sample_id"], gok["output_text"]) if s in full]
-        rf = gok["refresh_fraction"].dropna()
-        lines.append(f"{m:<18}{len(g):>6}{len(g) - len(gok):>8}"
-                     f"{(np.mean(fid) if fid else float('nan')):>10.3f}{(rf.mean() if len(rf) else float('nan')):>9.3f}")
-    return "\n".join(lines)
-
-
-def _rouge_l(ref: str, cand: str) -> float:
-    a, b = (ref or "").split(), (cand or "").split()
-    if not a and not b:
-        return 1.0
-    if not a or not b:
-        return 0.0
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0]
-        for j, y in enumerate(b):
-            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
-        prev = cur
-    lcs = prev[-1]
-    if lcs == 0:
-        return 0.0
-    p, r = lcs / len(b), lcs / len(a)
-    return 2 * p * r / (p + r)
-
-
 def main(task: str | None, argv: list[str] | None = None) -> int:
     """Entry point shared by jobs/*.py: parse + validate the config, run, exit non-zero on failure."""
     try:
         cfg = JobConfig.from_args(argv, task=task)
-        report = run(cfg)
+        result = run(cfg)
     except ConfigError as e:
         print(f"[rcr-job] {e}", file=sys.stderr, flush=True)
         return 2
-    if report["status"] != "ok":
+    if result["status"] != "ok":
         return 1
     return 0

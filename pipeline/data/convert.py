@@ -1,4 +1,4 @@
-"""Converters from the real datasets to the project's input schema (``pipeline.schema.INPUT_SCHEMA``).
+"""Converters from the real datasets to the project's input schema (``pipeline/schema.py``, ``INPUT_SCHEMA``).
 
 * **DetailCaps-4870** -- Hugging Face dataset ``foundation-multimodal-models/DetailCaps-4870``, split
   ``test``, one file ``DetailCaps-4870.parquet`` at the repository root. Image bytes are in ``binary``;
@@ -26,19 +26,17 @@ from __future__ import annotations
 import base64
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.data import DataError, decode_image, encode_image
-
-DETAILCAPS_PROMPT = "Describe this image in detail."
-TEXTCAPS_PROMPT = "Provide a one-sentence caption for the provided image."
-VIDEO_PROMPT = "Describe what happens in this video."
+from pipeline.data.images import decode_image, encode_image, to_rgb
+from pipeline.data.shards import DataError
+from rcr.models import PROMPTS  # the one copy of the task prompts
 
 
 class OfflineError(RuntimeError):
@@ -69,7 +67,7 @@ DETAILCAPS = HubSource(
     reference_columns=("GT_Caption_GPT4O", "GT_Caption_GPT4V", "GT_Caption_Gemini15Pro"),
     id_column=None,  # rows have no unique id column; the row index in the pinned file is stable
     task="detailcaps",
-    prompt=DETAILCAPS_PROMPT,
+    prompt=PROMPTS["detailcaps"],
 )
 
 TEXTCAPS = HubSource(
@@ -82,7 +80,7 @@ TEXTCAPS = HubSource(
     reference_columns=("caption_str",),
     id_column="image_id",
     task="textcaps",
-    prompt=TEXTCAPS_PROMPT,
+    prompt=PROMPTS["textcaps"],
 )
 
 SOURCES = {"detailcaps": DETAILCAPS, "textcaps": TEXTCAPS}
@@ -120,7 +118,8 @@ def locate(src: HubSource, local_path: str | os.PathLike | None = None, cache_di
     try:
         from huggingface_hub import hf_hub_download
     except ImportError as e:  # pragma: no cover - transformers depends on huggingface_hub
-        raise OfflineError(f"huggingface_hub is not installed; pass --local-path with a local copy of {src.repo_id}") from e
+        raise OfflineError(f"huggingface_hub is not installed; pass --local-path with a local copy of "
+                           f"{src.repo_id}") from e
     out = []
     for f in src.files:
         try:
@@ -295,7 +294,7 @@ def _frames_from_file(f: Path, k: int) -> list[bytes]:
 
         try:
             with Image.open(f) as im:
-                frames = [fr.convert("RGB") for fr in ImageSequence.Iterator(im)]
+                frames = [to_rgb(fr) for fr in ImageSequence.Iterator(im)]
         except OSError as e:
             raise DataError(f"{f}: cannot decode video ({e})") from e
         return [encode_image(frames[i]) for i in _uniform(len(frames), k)]
@@ -317,7 +316,7 @@ def _frames_from_file(f: Path, k: int) -> list[bytes]:
 
 
 def convert_videos(folder: str | os.PathLike, frames: int = 8, limit: int | None = None, seed: int = 0,
-                   prompt: str = VIDEO_PROMPT) -> Iterator[dict]:
+                   prompt: str = PROMPTS["video"]) -> Iterator[dict]:
     """Yield video records from a folder of videos and/or frame folders."""
     folder = Path(folder)
     if not folder.is_dir():

@@ -14,14 +14,16 @@ import warnings
 from pathlib import Path
 
 import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg", force=True)
+from pipeline.analysis.analyze import Analysis
+from pipeline.analysis.labels import FIXED, RCR, order_methods, parse_sweep_tau
+from pipeline.analysis.telemetry import as_2d, model_series, ok_rows
+from pipeline.schema import Col
+
+matplotlib.use("Agg", force=True)  # before pyplot: the driver has no display
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from pipeline.metrics import (RCR, FIXED, Analysis, Col, _as_2d, _model_series, _ok_rows,  # noqa: E402
-                              order_methods, parse_sweep_tau)
 
 __all__ = ["make_plots", "plot_fidelity", "plot_tau_refresh", "plot_drift_heatmap", "plot_frontier"]
 
@@ -75,18 +77,18 @@ def _pick_samples(d: pd.DataFrame, k: int) -> list[int]:
 
 def plot_tau_refresh(df: pd.DataFrame, path: Path, method: str = RCR, n_samples: int = 4,
                      rho: float | None = None, model: str | None = None) -> Path | None:
-    d = _ok_rows(df)
+    d = ok_rows(df)
     d = d[d[Col.METHOD] == method]
     if model is not None:
-        d = d[_model_series(d) == model]
+        d = d[model_series(d) == model]
     if d.empty or Col.TAU not in d or Col.TRIGGER not in d:
         return None
     picks = _pick_samples(d, n_samples)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for idx in picks:
         r = d.loc[idx]
-        tau = _as_2d(r[Col.TAU], float)
-        trig = _as_2d(r[Col.TRIGGER], float)
+        tau = as_2d(r[Col.TAU], float)
+        trig = as_2d(r[Col.TRIGGER], float)
         if tau is None or trig is None:
             continue
         L, T = tau.shape
@@ -115,14 +117,14 @@ def plot_tau_refresh(df: pd.DataFrame, path: Path, method: str = RCR, n_samples:
 
 def plot_drift_heatmap(df: pd.DataFrame, path: Path, methods=(RCR, FIXED), max_steps: int = 512,
                        model: str | None = None) -> Path | None:
-    d = _ok_rows(df)
+    d = ok_rows(df)
     if model is not None:
-        d = d[_model_series(d) == model]
+        d = d[model_series(d) == model]
     for method in list(methods) + sorted(set(d[Col.METHOD]) - set(methods)):
         g = d[d[Col.METHOD] == method]
         if Col.DRIFT not in g:
             return None
-        mats = [a for a in (_as_2d(x, float) for x in g[Col.DRIFT]) if a is not None and a.size]
+        mats = [a for a in (as_2d(x, float) for x in g[Col.DRIFT]) if a is not None and a.size]
         if mats:
             break
     else:
@@ -189,7 +191,7 @@ def make_plots(df: pd.DataFrame, analysis: Analysis, out_dir: str | os.PathLike,
                n_samples: int = 4) -> list[Path]:
     """Write all PNGs into ``out_dir`` (one set; per-model panels where it matters). Returns their paths.
 
-    ``df`` is the raw output rows (for the telemetry lists), ``analysis`` from :func:`pipeline.metrics.analyze`.
+    ``df`` is the raw output rows (for the telemetry lists), ``analysis`` from :func:`pipeline.analysis.analyze.analyze`.
     A plot whose inputs are missing (e.g. no ``rcr`` rows) is skipped, never an error.
     """
     out = Path(out_dir)

@@ -27,8 +27,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import ConfigError
-from rcr.fileio import atomic_path, atomic_write_text  # noqa: F401  (re-exported for the pipeline)
+from pipeline.run.config import ConfigError
+from pipeline.schema import INPUT_SCHEMA, type_matches
+from rcr.fileio import atomic_path, atomic_write_text
 
 PART_PREFIX = "part-"
 RUNS_DIR = "_runs"
@@ -91,12 +92,6 @@ class OutputStore:
         d.mkdir(parents=True, exist_ok=True)
         return atomic_write_text(json.dumps(record, indent=1, default=str), d / f"{run_id}.json")
 
-    def run_records(self) -> list[dict]:
-        d = self.root / RUNS_DIR
-        if not d.is_dir():
-            return []
-        return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
-
 
 # ---------------------------------------------------------------------- shards and planning
 
@@ -158,28 +153,15 @@ def check_shard_schema(path: str) -> pa.Schema:
         schema = pq.read_schema(path)
     except Exception as e:  # noqa: BLE001 - any unreadable file is a config error
         raise ConfigError("shards", f"{path} is not a readable Parquet file: {e}") from None
-    from pipeline import schema as S
-
-    expected: pa.Schema = S.INPUT_SCHEMA
+    expected: pa.Schema = INPUT_SCHEMA
     for f in expected:
         if f.name not in schema.names:
             raise ConfigError("shards", f"{path}: column '{f.name}' is missing (input schema: "
                                         f"{', '.join(expected.names)})")
         got = schema.field(f.name).type
-        if not _compatible(got, f.type):
+        if not type_matches(got, f.type):
             raise ConfigError("shards", f"{path}: column '{f.name}' has type {got}, expected {f.type}")
     return schema
-
-
-def _compatible(got: pa.DataType, want: pa.DataType) -> bool:
-    """Equal up to string/large_string, binary/large_binary and list/large_list."""
-    def norm(t: pa.DataType) -> str:
-        s = str(t)
-        for a, b in (("large_string", "string"), ("large_binary", "binary"), ("large_list", "list"),
-                     ("string_view", "string"), ("binary_view", "binary"), ("list_view", "list")):
-            s = s.replace(a, b)
-        return s.replace("<element: ", "<item: ")
-    return norm(got) == norm(want)
 
 
 def fingerprint_row(row: dict) -> str:

@@ -22,15 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from pipeline.schema import METHOD_ORDER, TASKS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = "embedded"
 EMBEDDED_MODEL_DIR = REPO_ROOT / "assets" / "embedded" / "model"
 
-TASKS = ("detailcaps", "textcaps", "video")
 DEFAULT_MAX_NEW_TOKENS = {"detailcaps": 512, "textcaps": 64, "video": 128}
-# The paper's methods. The baselines quest/arkvale/infinigen are appended when the core provides them.
-PAPER_METHODS = ("full", "bacon", "prefill_oracle", "exact", "fixed", "rcr")
-LATER_METHODS = ("quest", "arkvale", "infinigen")
 MAX_NEW_TOKENS_LIMIT = 8192
 
 # Model families the core supports, by `model_type` in config.json and by hub-id pattern.
@@ -103,20 +101,6 @@ class JobConfig:
         if validate:
             cfg.validate()
         return cfg
-
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike, overrides: dict[str, Any] | None = None,
-                  *, validate: bool = True) -> JobConfig:
-        import yaml
-
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise ConfigError("config", f"no such YAML file: {p}")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError("config", f"{p} must hold a mapping of field: value, got {type(data).__name__}")
-        data.update(overrides or {})
-        return cls.from_dict(data, validate=validate)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None, *, task: str | None = None) -> JobConfig:
@@ -200,6 +184,10 @@ class JobConfig:
             raise ConfigError("output_dir", f"{self.output_dir} exists and is not a directory")
         if self.mlflow_uri is None:
             self.mlflow_uri = f"sqlite:///{runs / 'mlflow.db'}"
+        if not isinstance(self.mlflow_uri, str) or not self.mlflow_uri:
+            raise ConfigError("mlflow_uri", f"must be a non-empty string, got {self.mlflow_uri!r}")
+        from pipeline.analysis.tracking import resolve_tracking_uri
+
         self.mlflow_uri = resolve_tracking_uri(self.mlflow_uri)
         return self
 
@@ -244,11 +232,10 @@ def _as_list(name: str, value: Any) -> list[str]:
 
 
 def available_methods() -> list[str]:
-    """The methods the core provides, in the paper's order."""
+    """The methods the core provides, in ``METHOD_ORDER`` (then any others, alphabetically)."""
     from rcr.methods import METHODS
 
-    order = [*PAPER_METHODS, *LATER_METHODS]
-    return [m for m in order if m in METHODS] + sorted(m for m in METHODS if m not in order)
+    return [m for m in METHOD_ORDER if m in METHODS] + sorted(m for m in METHODS if m not in METHOD_ORDER)
 
 
 def validate_methods(methods: list[str]) -> list[str]:
@@ -338,23 +325,6 @@ def model_fingerprint(model: str) -> str:
     return h.hexdigest()[:16]
 
 
-def resolve_tracking_uri(uri: str) -> str:
-    """Make a file/sqlite tracking location absolute; leave http(s)/databricks URIs alone."""
-    if not isinstance(uri, str) or not uri:
-        raise ConfigError("mlflow_uri", f"must be a non-empty string, got {uri!r}")
-    if uri.startswith("sqlite:///"):
-        path = uri[len("sqlite:///"):]
-        if path.startswith("/"):  # sqlite:////abs/path
-            return uri
-        return "sqlite:///" + str(Path(path).expanduser().resolve())
-    if uri.startswith("file:"):
-        path = uri[len("file:"):].lstrip("/")
-        return "file://" + str(Path("/" + path if uri.startswith("file:/") else path).expanduser().resolve())
-    if re.match(r"^[a-z][a-z0-9+.-]*://", uri):
-        return uri
-    return "file://" + str(Path(uri).expanduser().resolve())  # a bare directory
-
-
 def _parse_kv_list(items: list[str]) -> dict[str, Any]:
     import yaml
 
@@ -377,7 +347,8 @@ def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
     if task is None:
         p.add_argument("--task", choices=TASKS)
     p.add_argument("--model", help="'embedded' (default), a local checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct")
-    p.add_argument("--shards", nargs="+", help="Parquet shard files/dirs/globs in the input schema; 'embedded' (default)")
+    p.add_argument("--shards", nargs="+",
+                   help="Parquet shard files/dirs/globs in the input schema; 'embedded' (default)")
     p.add_argument("--methods", help="comma-separated method labels, or 'all' (default): "
                    f"{', '.join(available_methods())}; 'fixed@TAU' runs fixed with that tau "
                    "(e.g. fixed@0.05,fixed@0.10 for a sweep); full is always run")
@@ -400,7 +371,8 @@ def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None)
     p.add_argument("--rcr", action="append", metavar="KEY=VALUE", help="an rcr.RCRConfig field (repeatable)")
     p.add_argument("--ray-address", dest="ray_address",
-                   help="default: the cluster of `ray job submit`, else a private local Ray; 'auto' joins a running one")
+                   help="default: the cluster of `ray job submit`, else a private local Ray; "
+                   "'auto' joins a running one")
     p.add_argument("--engine", help="model backend: 'rcr' (default) or module:Class (tests, other backends)")
     p.add_argument("--progress-every-s", dest="progress_every_s", type=float)
     p.add_argument("--no-summary", dest="summary", action="store_false", default=None)

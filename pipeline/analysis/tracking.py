@@ -14,11 +14,11 @@ What it writes, per job:
   stability, Spearman correlations), and artifacts: ``plots/*.png``, ``tables/per_sample.parquet`` (+csv),
   ``tables/{methods,terciles,correlations,stability,frontier,errors}.csv``, ``summary.txt``;
 * one **child run per method** (per (model, method) when a job has several models), tagged
-  ``mlflow.parentRunId``: ``fidelity``, ``fidelity_ci_low``, ``fidelity_ci_high``, ``diff_bacon`` /
-  ``diff_rcr`` with ``_ci_low`` / ``_ci_high``, ``refresh_fraction`` (+CI), ``keys_read_per_step``,
-  ``values_read_per_step``, ``reads_per_step``, ``detector_dots_per_step``, ``bytes_moved_per_step``,
-  ``tokens_per_s``, reference metrics (+CI), tercile metrics, and ``refresh_rate_by_step`` /
-  ``tau_mean_by_step`` as step histories.
+  ``mlflow.parentRunId``: every numeric column of its ``Analysis.methods`` row (``fidelity`` and
+  ``diff_bacon`` / ``diff_rcr`` with ``_ci_low`` / ``_ci_high``, ``refresh_fraction`` (+CI), reference
+  metrics (+CI), and the per-method means of the output rows' summaries, which derive from the output
+  schema: ``keys_read_per_step``, ``reads_per_step``, ``bytes_moved_per_step``, ``tokens_per_s``, ...),
+  tercile metrics, and ``refresh_rate_by_step`` / ``tau_mean_by_step`` as step histories.
 
 Idempotence: the parent carries ``rcr.job_key`` = hash(absolute output dir, config hash(es)) (the job
 name when no output dir is known) and ``rcr.fingerprint`` = hash(row contents, analysis settings,
@@ -40,12 +40,19 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
 
-from pipeline import metrics as M
+from pipeline.analysis import report
+from pipeline.analysis.analyze import Analysis, analyze
+from pipeline.analysis.labels import order_methods
+from pipeline.analysis.telemetry import refresh_by_step
+from pipeline.analysis.text_metrics import FIDELITY_DESC, REF_ROUGE_DESC
+from pipeline.schema import Col
+from rcr.fileio import atomic_write_text
 
 __all__ = ["log_job", "job_key", "data_fingerprint", "resolve_tracking_uri", "find_job_runs",
            "DEFAULT_TRACKING_URI", "DEFAULT_EXPERIMENT", "TRACKING_VERSION"]
@@ -53,47 +60,41 @@ __all__ = ["log_job", "job_key", "data_fingerprint", "resolve_tracking_uri", "fi
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "rcr-eval"
 TRACKING_VERSION = "1"  # bump when what is logged changes: existing runs are then replaced, not skipped
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TAG_KEY = "rcr.job_key"
 TAG_ROLE = "rcr.role"
 TAG_FP = "rcr.fingerprint"
 TAG_COMPLETE = "rcr.complete"
 
-# per-method metrics copied from Analysis.methods to the child run (NaN values are left out)
-CHILD_METRICS = (
-    "fidelity", "fidelity_ci_low", "fidelity_ci_high",
-    "diff_bacon", "diff_bacon_ci_low", "diff_bacon_ci_high", "n_pairs_bacon",
-    "diff_rcr", "diff_rcr_ci_low", "diff_rcr_ci_high", "n_pairs_rcr",
-    "refresh_fraction", "refresh_fraction_ci_low", "refresh_fraction_ci_high",
-    "keys_read_per_step", "values_read_per_step", "reads_per_step", "detector_dots_per_step", "bytes_moved_per_step",
-    "tokens_per_s", "n_steps", "mean_drift",
-    "rougeL_ref", "rougeL_ref_ci_low", "rougeL_ref_ci_high", "cider", "cider_ci_low", "cider_ci_high",
-    "n", "n_rows", "n_errors", "sweep_tau",
-)
-
-
 # ---------------------------------------------------------------------------------------------- keys
 def resolve_tracking_uri(uri: str | None) -> str:
-    """``None`` -> ``sqlite:///mlflow.db``; relative sqlite/file paths -> absolute (printed by callers),
-    so a job started from a temporary working directory does not lose its store. Others unchanged."""
-    uri = uri or DEFAULT_TRACKING_URI
+    """The one tracking-URI resolver (the job config and :func:`log_job` both call it).
+
+    ``None`` -> ``sqlite:///mlflow.db``. Relative sqlite/file paths and bare directories become absolute,
+    so a job started from a temporary working directory (``ray job submit --working-dir``) does not lose
+    its store; ``file:`` paths with leading slashes are absolute. ``sqlite:///:memory:`` (SQLite's
+    in-memory database, not a file) and other schemes (http, databricks, ...) are returned unchanged."""
+    uri = DEFAULT_TRACKING_URI if uri is None else uri
+    if not isinstance(uri, str) or not uri:
+        raise ValueError(f"tracking URI must be a non-empty string, got {uri!r}")
     if uri.startswith("sqlite:///"):
         path = uri[len("sqlite:///"):]
         if path.startswith("/") or path == ":memory:":
             return uri
         return "sqlite:///" + str(Path(path).expanduser().resolve())
     if uri.startswith("file:"):
-        path = re.sub(r"^file:(//)?", "", uri)
+        path = uri[len("file:"):]
+        path = "/" + path.lstrip("/") if path.startswith("/") else path
         return "file://" + str(Path(path).expanduser().resolve())
     if re.match(r"^[a-z][a-z0-9+.-]*://", uri):
         return uri
-    return "file://" + str(Path(uri).expanduser().resolve())
+    return "file://" + str(Path(uri).expanduser().resolve())  # a bare directory
 
 
 def _config_hashes(df: pd.DataFrame, config: dict | None) -> list[str]:
-    if M.Col.CONFIG_HASH in df and df[M.Col.CONFIG_HASH].notna().any():
-        return sorted(set(df[M.Col.CONFIG_HASH].dropna().astype(str)))
+    if Col.CONFIG_HASH in df and df[Col.CONFIG_HASH].notna().any():
+        return sorted(set(df[Col.CONFIG_HASH].dropna().astype(str)))
     ch = (config or {}).get("config_hash")
     return [str(ch)] if ch else []
 
@@ -110,8 +111,8 @@ def job_key(df: pd.DataFrame, config: dict | None = None, output_dir: str | os.P
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-_FP_COLS = (M.Col.MODEL, M.Col.SAMPLE_ID, M.Col.METHOD, M.Col.CONFIG_HASH, M.Col.OUTPUT_TEXT, M.Col.ERROR,
-            M.Col.REFRESH_FRACTION, M.Col.MEAN_DRIFT, M.Col.N_STEPS, M.Col.TOKENS_PER_S)
+_FP_COLS = (Col.MODEL, Col.SAMPLE_ID, Col.METHOD, Col.CONFIG_HASH, Col.OUTPUT_TEXT, Col.ERROR,
+            Col.REFRESH_FRACTION, Col.MEAN_DRIFT, Col.N_STEPS, Col.TOKENS_PER_S)
 
 
 def data_fingerprint(df: pd.DataFrame, extra: dict | None = None) -> str:
@@ -120,7 +121,7 @@ def data_fingerprint(df: pd.DataFrame, extra: dict | None = None) -> str:
     d = df[cols].copy()
     for c in cols:
         d[c] = d[c].astype(str)
-    d = d.sort_values([c for c in (M.Col.MODEL, M.Col.SAMPLE_ID, M.Col.METHOD, M.Col.CONFIG_HASH) if c in cols])
+    d = d.sort_values([c for c in (Col.MODEL, Col.SAMPLE_ID, Col.METHOD, Col.CONFIG_HASH) if c in cols])
     h = hashlib.sha256()
     h.update(pd.util.hash_pandas_object(d, index=False).to_numpy().tobytes())
     h.update(json.dumps(extra or {}, sort_keys=True, default=str).encode())
@@ -176,7 +177,7 @@ def _git_commit() -> tuple[str, bool | None]:
         dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip() != ""
         return sha, dirty
-    except Exception:
+    except Exception:  # noqa: BLE001 - no git, not a checkout, a timeout: the commit is a label, not a result
         return "unknown", None
 
 
@@ -234,10 +235,10 @@ def _log_dataset(client, run_id: str, df: pd.DataFrame, output_dir: str | None, 
     import mlflow.data
     from mlflow.entities import DatasetInput, InputTag
 
-    cols = [c for c in (M.Col.SAMPLE_ID, M.Col.TASK, M.Col.SOURCE, M.Col.PROMPT, M.Col.REFERENCES) if c in df]
-    samples = df[cols].drop_duplicates(M.Col.SAMPLE_ID).reset_index(drop=True)
-    if M.Col.REFERENCES in samples:
-        samples[M.Col.REFERENCES] = samples[M.Col.REFERENCES].map(
+    cols = [c for c in (Col.SAMPLE_ID, Col.TASK, Col.SOURCE, Col.PROMPT, Col.REFERENCES) if c in df]
+    samples = df[cols].drop_duplicates(Col.SAMPLE_ID).reset_index(drop=True)
+    if Col.REFERENCES in samples:
+        samples[Col.REFERENCES] = samples[Col.REFERENCES].map(
             lambda r: json.dumps(list(r) if r is not None else [], ensure_ascii=False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -246,7 +247,7 @@ def _log_dataset(client, run_id: str, df: pd.DataFrame, output_dir: str | None, 
                                                          tags=[InputTag("mlflow.data.context", "evaluation")])])
 
 
-def _one(df: pd.DataFrame, col: str) -> str | None:
+def joined_unique(df: pd.DataFrame, col: str) -> str | None:
     if col not in df:
         return None
     v = sorted(set(df[col].dropna().astype(str)))
@@ -262,14 +263,14 @@ def _delete_runs(client, runs: list, keep: set[str]) -> int:
             client.delete_run(r.info.run_id)
             n += 1
         except Exception as e:  # noqa: BLE001
-            warnings.warn(f"could not delete stale MLflow run {r.info.run_id}: {e}")
+            warnings.warn(f"could not delete stale MLflow run {r.info.run_id}: {e}", stacklevel=2)
     return n
 
 
 # ---------------------------------------------------------------------------------------------- log_job
 def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DEFAULT_TRACKING_URI,
             experiment: str | None = DEFAULT_EXPERIMENT, job_name: str | None = None,
-            artifacts_dir: str | os.PathLike | None = None, *, analysis: M.Analysis | None = None,
+            artifacts_dir: str | os.PathLike | None = None, *, analysis: Analysis | None = None,
             output_dir: str | os.PathLike | None = None, bootstrap_resamples: int | None = None,
             seed: int | None = None, force: bool = False, verbose: bool = True) -> str:
     """Log a finished job to MLflow (one parent run, one child run per method); idempotent.
@@ -285,7 +286,7 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
         job_name: the parent run's name (default: ``config["job_name"]``, else the rows' ``job_name``).
         artifacts_dir: where the plots and tables are written before upload (kept); default: a
             temporary directory (removed).
-        analysis: a ready :class:`pipeline.metrics.Analysis` of ``df``; computed when ``None``.
+        analysis: a ready :class:`pipeline.analysis.analyze.Analysis` of ``df``; computed when ``None``.
         output_dir: the job's Parquet directory; part of the job key, so pass it (the driver and the
             backfill command must agree on it).
         force: log a new set of runs even when an identical complete one exists (the old one is deleted).
@@ -298,7 +299,7 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     experiment = experiment or config.get("experiment") or DEFAULT_EXPERIMENT
     output_dir = output_dir or config.get("output_dir")
     output_dir = str(Path(output_dir).expanduser().resolve()) if output_dir else None
-    job_name = job_name or config.get("job_name") or _one(df, M.Col.JOB_NAME) or "job"
+    job_name = job_name or config.get("job_name") or joined_unique(df, Col.JOB_NAME) or "job"
     if bootstrap_resamples is None:
         bootstrap_resamples = int(config.get("bootstrap_resamples", 10_000))
     if seed is None:
@@ -310,34 +311,18 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     key = job_key(df, config, output_dir, job_name)
     fp = data_fingerprint(df, {"bootstrap_resamples": bootstrap_resamples, "seed": seed})
     existing = find_job_runs(client, exp_id, key)
-    for r in existing:
-        t = r.data.tags
-        if (not force and t.get(TAG_ROLE) == "parent" and t.get(TAG_FP) == fp and t.get(TAG_COMPLETE) == "1"
-                and r.info.status == "FINISHED"):
-            stale = [x for x in existing if x.info.run_id != r.info.run_id
-                     and x.data.tags.get("mlflow.parentRunId") != r.info.run_id]
-            _delete_runs(client, stale, set())  # leftovers of an interrupted earlier call
-            if verbose:
-                print(f"[mlflow] job already logged (parent run {r.info.run_id}, key {key}); nothing to do")
-            return r.info.run_id
+    done = None if force else _complete_parent(client, existing, fp)
+    if done is not None:
+        if verbose:
+            print(f"[mlflow] job already logged (parent run {done}, key {key}); nothing to do")
+        return done
 
     if analysis is None:
-        analysis = M.analyze(df, bootstrap_resamples=bootstrap_resamples, seed=seed)
-    summary = M.format_summary(analysis)
-    tmp = None
-    if artifacts_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="rcr-mlflow-")
-        adir = Path(tmp.name)
-    else:
-        adir = Path(artifacts_dir).expanduser().resolve()
-        adir.mkdir(parents=True, exist_ok=True)
-    try:
-        with _quiet_run_urls():
-            parent_id = _log_new(client, exp_id, df, config, analysis, summary, adir, key=key, fp=fp,
-                                 job_name=job_name, output_dir=output_dir, tracking_uri=tracking_uri, rho=rho)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+        analysis = analyze(df, bootstrap_resamples=bootstrap_resamples, seed=seed)
+    summary = report.format_summary(analysis)
+    with _artifacts_dir(artifacts_dir) as adir, _quiet_run_urls():
+        parent_id = _log_new(client, exp_id, df, config, analysis, summary, adir, key=key, fp=fp,
+                             job_name=job_name, output_dir=output_dir, tracking_uri=tracking_uri, rho=rho)
     # only now remove what this replaces (an older set with the same key, or an interrupted one)
     n_del = _delete_runs(client, existing, {parent_id})
     if verbose:
@@ -345,6 +330,32 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
         print(f"[mlflow] logged job '{job_name}' to {tracking_uri}, experiment '{experiment}': parent run "
               f"{parent_id} ({what}); UI: {ui_hint(tracking_uri, exp_id, parent_id)}")
     return parent_id
+
+
+def _complete_parent(client, existing: list, fp: str) -> str | None:
+    """The id of a complete parent run with fingerprint ``fp`` among ``existing`` (whose other runs, the
+    leftovers of an interrupted earlier call, are deleted), or None."""
+    for r in existing:
+        t = r.data.tags
+        if (t.get(TAG_ROLE) == "parent" and t.get(TAG_FP) == fp and t.get(TAG_COMPLETE) == "1"
+                and r.info.status == "FINISHED"):
+            stale = [x for x in existing if x.info.run_id != r.info.run_id
+                     and x.data.tags.get("mlflow.parentRunId") != r.info.run_id]
+            _delete_runs(client, stale, set())
+            return r.info.run_id
+    return None
+
+
+@contextlib.contextmanager
+def _artifacts_dir(artifacts_dir: str | os.PathLike | None):
+    """The given directory (kept), or a temporary one (removed on exit)."""
+    if artifacts_dir is None:
+        with tempfile.TemporaryDirectory(prefix="rcr-mlflow-") as tmp:
+            yield Path(tmp)
+        return
+    adir = Path(artifacts_dir).expanduser().resolve()
+    adir.mkdir(parents=True, exist_ok=True)
+    yield adir
 
 
 @contextlib.contextmanager
@@ -373,34 +384,33 @@ def ui_hint(tracking_uri: str, experiment_id: str | None = None, run_id: str | N
     return f"mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1"
 
 
-def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: M.Analysis, summary: str, adir: Path, *,
+def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, summary: str, adir: Path, *,
              key: str, fp: str, job_name: str, output_dir: str | None, tracking_uri: str, rho: float) -> str:
-    from pipeline import plots as P
-
+    """One parent run (params, dataset, metrics, artifacts), then one child run per (model, method)."""
     commit, dirty = _git_commit()
     commit = config.get("git_commit") or commit
     models = a.meta.get("models") or [""]
-    dataset = _one(df, M.Col.SOURCE) or "unknown"
-    task = _one(df, M.Col.TASK)
+    dataset = joined_unique(df, Col.SOURCE) or "unknown"
+    task = joined_unique(df, Col.TASK)
     tags = {
         TAG_KEY: key, TAG_ROLE: "parent", TAG_FP: fp, TAG_COMPLETE: "0",
-        "rcr.job_name": job_name, "rcr.output_dir": output_dir or "", "rcr.config_hash": _one(df, M.Col.CONFIG_HASH) or "",
+        "rcr.job_name": job_name, "rcr.output_dir": output_dir or "",
+        "rcr.config_hash": joined_unique(df, Col.CONFIG_HASH) or "",
         "rcr.model": ",".join(models), "rcr.dataset": dataset, "rcr.task": task or "",
-        "mlflow.source.git.commit": commit, "mlflow.source.name": "pipeline.tracking.log_job",
+        "mlflow.source.git.commit": commit, "mlflow.source.name": "pipeline.analysis.tracking.log_job",
         "mlflow.note.content": "```\n" + summary[:7900] + "\n```",
     }
     if dirty is not None:
         tags["rcr.git_dirty"] = str(dirty).lower()
-    parent = client.create_run(exp_id, run_name=job_name, tags=tags)
-    pid = parent.info.run_id
+    pid = client.create_run(exp_id, run_name=job_name, tags=tags).info.run_id
 
     params = {f"config.{k}": v for k, v in _flatten(config).items() if k}
     params.update({
         "job_name": job_name, "model": ",".join(models), "dataset": dataset, "task": task,
-        "git_commit": commit, "output_dir": output_dir, "config_hash": _one(df, M.Col.CONFIG_HASH),
+        "git_commit": commit, "output_dir": output_dir, "config_hash": joined_unique(df, Col.CONFIG_HASH),
         "n_samples": a.meta.get("n_samples"), "n_rows": a.meta.get("n_rows"),
-        "methods": ",".join(M.order_methods(df[M.Col.METHOD].astype(str))),
-        "fidelity_metric": M.FIDELITY_DESC, "reference_rougeL": M.REF_ROUGE_DESC, "cider": a.meta.get("cider"),
+        "methods": ",".join(order_methods(df[Col.METHOD].astype(str))),
+        "fidelity_metric": FIDELITY_DESC, "reference_rougeL": REF_ROUGE_DESC, "cider": a.meta.get("cider"),
         "bootstrap": a.meta.get("bootstrap"), "bootstrap_resamples": a.meta.get("bootstrap_resamples"),
         "bootstrap_seed": a.meta.get("seed"), "drift_source": a.meta.get("drift_source"),
     })
@@ -408,12 +418,21 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: M.Analysis,
     try:
         _log_dataset(client, pid, df, output_dir, name=f"{dataset}:{task}" if task else dataset)
     except Exception as e:  # noqa: BLE001 - the dataset entity is a convenience
-        warnings.warn(f"MLflow dataset input not logged: {e}")
+        warnings.warn(f"MLflow dataset input not logged: {e}", stacklevel=2)
+    _log_metrics(client, pid, _parent_metrics(a, multi=len(models) > 1))
+    _log_artifacts(client, pid, df, a, summary, config, adir, rho)
+    for _, row in a.methods.iterrows():
+        _log_child(client, exp_id, pid, df, a, row, key=key, job_name=job_name, commit=commit, multi=len(models) > 1)
+    client.set_tag(pid, TAG_COMPLETE, "1")
+    client.set_terminated(pid, "FINISHED")
+    return pid
 
+
+def _parent_metrics(a: Analysis, multi: bool) -> dict[str, Any]:
+    """Counts, top-position stability and Spearman correlations (suffixed by model when there are several)."""
     pm: dict[str, Any] = {"n_rows": a.meta.get("n_rows"), "n_samples": a.meta.get("n_samples"),
                           "n_error_rows": a.meta.get("n_error_rows"),
                           "n_samples_without_full": a.meta.get("n_samples_without_full")}
-    multi = len(models) > 1
     for _, s in a.stability.iterrows():
         sfx = f".{s.model}" if multi else ""
         pm[f"top_pos_unchanged_fraction{sfx}"] = s.fraction_unchanged
@@ -421,53 +440,55 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: M.Analysis,
     for _, c in a.correlations.iterrows():
         sfx = f".{c.model}" if multi else ""
         pm[f"spearman_gap_exact.{c.method}.vs_{c.against}{sfx}"] = c.spearman_rho
-    _log_metrics(client, pid, pm)
+    return pm
 
-    # artifacts: plots, tables, summary, config
+
+def _log_artifacts(client, pid: str, df: pd.DataFrame, a: Analysis, summary: str, config: dict, adir: Path,
+                   rho: float) -> None:
+    """Plots, tables, the summary, the analysis settings and the config, written to ``adir`` and uploaded."""
+    from pipeline.analysis import plots
+
     pdir, tdir = adir / "plots", adir / "tables"
     tdir.mkdir(parents=True, exist_ok=True)
     try:
-        P.make_plots(df, a, pdir, rho=rho)
+        plots.make_plots(df, a, pdir, rho=rho)
     except Exception as e:  # noqa: BLE001 - a broken plot must not lose the numbers
-        warnings.warn(f"plots failed: {type(e).__name__}: {e}")
+        warnings.warn(f"plots failed: {type(e).__name__}: {e}", stacklevel=2)
     a.per_sample.to_parquet(tdir / "per_sample.parquet", index=False)
     a.per_sample.to_csv(tdir / "per_sample.csv", index=False)
     for name in ("methods", "terciles", "correlations", "stability", "frontier", "errors"):
         getattr(a, name).to_csv(tdir / f"{name}.csv", index=False)
-    (adir / "summary.txt").write_text(summary + "\n")
-    (adir / "analysis_meta.json").write_text(json.dumps(a.meta, indent=1, default=str))
-    (adir / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    atomic_write_text(summary + "\n", adir / "summary.txt")
+    atomic_write_text(json.dumps(a.meta, indent=1, default=str), adir / "analysis_meta.json")
+    atomic_write_text(json.dumps(config, indent=1, default=str), adir / "config.json")
     if pdir.is_dir():
         client.log_artifacts(pid, str(pdir), "plots")
     client.log_artifacts(pid, str(tdir), "tables")
     for f in ("summary.txt", "analysis_meta.json", "config.json"):
         client.log_artifact(pid, str(adir / f))
 
-    # one child run per (model, method)
-    for _, row in a.methods.iterrows():
-        method, model = str(row.method), str(row.model)
-        name = f"{method} [{model}]" if multi else method
-        ctags = {"mlflow.parentRunId": pid, TAG_KEY: key, TAG_ROLE: "method", "rcr.method": method,
-                 "rcr.model": model, "rcr.job_name": job_name, "mlflow.source.git.commit": commit}
-        child = client.create_run(exp_id, run_name=name, tags=ctags)
-        cid = child.info.run_id
-        _log_params(client, cid, {"method": method, "model": model,
-                                  "sweep_tau": row.get("sweep_tau") if _finite(row.get("sweep_tau")) else None})
-        cm = {k: row.get(k) for k in CHILD_METRICS}
-        t = a.terciles[(a.terciles.model == model) & (a.terciles.method == method)]
-        for _, tr in t.iterrows():
-            cm[f"tercile_{tr.tercile}_fidelity"] = tr.fidelity
-            cm[f"tercile_{tr.tercile}_refresh_fraction"] = tr.refresh_fraction
-        c = a.correlations[(a.correlations.model == model) & (a.correlations.method == method)]
-        for _, cr in c.iterrows():
-            cm[f"spearman_gap_exact_vs_{cr.against}"] = cr.spearman_rho
-        _log_metrics(client, cid, cm)
-        if _finite(row.get("refresh_fraction")) and 0 < float(row.get("refresh_fraction")) < 1:
-            steps = M.refresh_by_step(df, method, model=model)
-            _log_series(client, cid, "refresh_rate_by_step", steps.refresh_rate)
-            _log_series(client, cid, "tau_mean_by_step", steps.tau_mean)
-        client.set_terminated(cid, "FINISHED")
 
-    client.set_tag(pid, TAG_COMPLETE, "1")
-    client.set_terminated(pid, "FINISHED")
-    return pid
+def _log_child(client, exp_id: str, pid: str, df: pd.DataFrame, a: Analysis, row: pd.Series, *, key: str,
+               job_name: str, commit: str, multi: bool) -> None:
+    """One method's run: every column of its ``Analysis.methods`` row as a metric (they derive from the
+    output schema, see ``METHOD_MEANS``), its tercile and correlation figures, and its per-step series."""
+    method, model = str(row.method), str(row.model)
+    ctags = {"mlflow.parentRunId": pid, TAG_KEY: key, TAG_ROLE: "method", "rcr.method": method,
+             "rcr.model": model, "rcr.job_name": job_name, "mlflow.source.git.commit": commit}
+    cid = client.create_run(exp_id, run_name=f"{method} [{model}]" if multi else method, tags=ctags).info.run_id
+    _log_params(client, cid, {"method": method, "model": model,
+                              "sweep_tau": row.get("sweep_tau") if _finite(row.get("sweep_tau")) else None})
+    cm = {k: v for k, v in row.items() if k not in ("model", "method")}
+    t = a.terciles[(a.terciles.model == model) & (a.terciles.method == method)]
+    for _, tr in t.iterrows():
+        cm[f"tercile_{tr.tercile}_fidelity"] = tr.fidelity
+        cm[f"tercile_{tr.tercile}_refresh_fraction"] = tr.refresh_fraction
+    c = a.correlations[(a.correlations.model == model) & (a.correlations.method == method)]
+    for _, cr in c.iterrows():
+        cm[f"spearman_gap_exact_vs_{cr.against}"] = cr.spearman_rho
+    _log_metrics(client, cid, cm)
+    if _finite(row.get("refresh_fraction")) and 0 < float(row.get("refresh_fraction")) < 1:
+        steps = refresh_by_step(df, method, model=model)
+        _log_series(client, cid, "refresh_rate_by_step", steps.refresh_rate)
+        _log_series(client, cid, "tau_mean_by_step", steps.tau_mean)
+    client.set_terminated(cid, "FINISHED")

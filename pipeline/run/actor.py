@@ -1,0 +1,198 @@
+"""The callable class that Ray Data runs in each actor: load the model once, evaluate batches of samples.
+
+``SampleEvaluator(config)`` loads the model in ``__init__`` (on the actor's GPU when it has one) and
+``__call__(batch)`` maps a batch of input rows to output rows, one per (sample, method), as a
+``pyarrow.Table`` in ``OUTPUT_SCHEMA``. It works on a plain dict of columns, so it is testable without Ray::
+
+    ev = SampleEvaluator(cfg.to_dict())
+    table = ev({"sample_id": [...], "task": [...], "prompt": [...], "images": [[png_bytes]], ...})
+
+Per sample, the model work is one call into the core, ``rcr.generate`` (one shared prefill, then ``full``
+and every requested method decoded from it). A sample whose input is bad, or whose model call raises,
+becomes one error row per requested method; the batch goes on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.data.images import BadInput, load_sample_images
+from pipeline.run.config import JobConfig
+from pipeline.schema import TASKS, JobStamp, error_rows, output_row, output_table
+
+log = logging.getLogger(__name__)
+
+METHODS_COLUMN = "_methods"  # optional input column: the methods still missing for this sample (resume)
+
+
+def check_prompt(prompt: Any) -> str:
+    if prompt is None or not str(prompt).strip():
+        raise BadInput("prompt is empty")
+    return str(prompt)
+
+
+def batch_to_rows(batch: Any) -> list[dict]:
+    """A Ray/pyarrow/pandas/dict-of-columns batch -> list of row dicts."""
+    if isinstance(batch, pa.Table):
+        return batch.to_pylist()
+    try:
+        import pandas as pd
+
+        if isinstance(batch, pd.DataFrame):
+            return batch.to_dict("records")
+    except ImportError:
+        pass
+    if isinstance(batch, dict):
+        cols = {k: list(v) for k, v in batch.items()}
+        n = len(next(iter(cols.values()))) if cols else 0
+        return [{k: v[i] for k, v in cols.items()} for i in range(n)]
+    if isinstance(batch, list):
+        return list(batch)
+    raise TypeError(f"unsupported batch type {type(batch).__name__}")
+
+
+# ---------------------------------------------------------------------- engine
+
+
+class RcrEngine:
+    """The model work: the core library's loader, input builder and ``rcr.generate``."""
+
+    def __init__(self, cfg: JobConfig, device: str, dtype: str):
+        import torch
+
+        import rcr
+        import rcr.models
+
+        self.torch = torch
+        self.rcr = rcr
+        self.device = device
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        self.model, self.processor = rcr.models.load(cfg.model_path(), device=device, dtype=torch_dtype,
+                                                     trust_remote_code=cfg.trust_remote_code)
+        self.rcr_config = rcr.RCRConfig(**cfg.rcr)
+        self.max_new_tokens = cfg.max_new_tokens
+
+    def run(self, prompts: list[str], images: list[list], methods: list[str], task: str):
+        """One left-padded batch, one shared prefill, every method -> label -> GenerationResult."""
+        inputs = self.rcr.models.build_inputs(self.processor, prompts, images, video=(task == "video"))
+        inputs = inputs.to(self.device)
+        with self.torch.inference_mode():
+            results = self.rcr.generate(self.model, inputs, method=list(methods),
+                                        max_new_tokens=self.max_new_tokens, config=self.rcr_config)
+        return results
+
+    def decode(self, ids) -> str:
+        tok = getattr(self.processor, "tokenizer", self.processor)
+        return tok.decode(list(map(int, ids)), skip_special_tokens=True)
+
+    def recover(self) -> None:
+        if self.device.startswith("cuda"):
+            self.torch.cuda.empty_cache()
+
+
+def _import_engine(spec: str):
+    if spec == "rcr":
+        return RcrEngine
+    mod, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+# ---------------------------------------------------------------------- the callable class
+
+
+class SampleEvaluator:
+    """Ray Data callable class: the model is loaded once per actor, in ``__init__``."""
+
+    def __init__(self, config: dict, config_hash: str | None = None):
+        self.cfg = JobConfig.from_dict(config, validate=False)
+        self.job = JobStamp(model=self.cfg.model, config_hash=config_hash or self.cfg.config_hash,
+                            job_name=self.cfg.job_name, task=self.cfg.task)
+        import torch
+        from PIL import Image
+
+        Image.MAX_IMAGE_PIXELS = None  # our own limit (max_image_pixels) is checked from the header
+        if self.cfg.torch_threads:
+            torch.set_num_threads(self.cfg.torch_threads)
+        want = self.cfg.device
+        if want == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but this worker sees no CUDA device "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        self.device = "cuda" if (want in ("auto", "cuda") and torch.cuda.is_available()) else "cpu"
+        dtype = self.cfg.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device == "cuda" else "float32"
+        self.dtype = dtype
+        t0 = time.perf_counter()
+        self.engine = _import_engine(self.cfg.engine)(self.cfg, self.device, dtype)
+        self.load_s = time.perf_counter() - t0
+        log.info("SampleEvaluator: %s on %s/%s loaded in %.1fs (pid %d)", self.cfg.model, self.device, dtype,
+                 self.load_s, os.getpid())
+
+    def __call__(self, batch: Any) -> pa.Table:
+        out: list[dict] = []
+        by_task: dict[str, list] = {}  # a model batch holds one task (image vs video inputs)
+        for sample in batch_to_rows(batch):
+            methods = sample.get(METHODS_COLUMN)
+            methods = list(methods) if methods is not None and len(methods) else list(self.cfg.methods)
+            try:
+                sample, images = self._check(sample)
+            except BadInput as e:
+                out.extend(error_rows(self.job, sample, methods, f"bad input: {e}"))
+                continue
+            by_task.setdefault(sample["task"], []).append((sample, images, methods))
+        for items in by_task.values():
+            for i in range(0, len(items), self.cfg.batch_size):
+                out.extend(self._evaluate(items[i:i + self.cfg.batch_size]))
+        return output_table(out)
+
+    def _check(self, sample: dict) -> tuple[dict, list]:
+        """The sample with its task filled in and its prompt checked, and its decoded images; or BadInput."""
+        task = sample.get("task") or self.cfg.task
+        if task not in TASKS:
+            raise BadInput(f"unknown task {sample.get('task')!r}; expected one of {', '.join(TASKS)}")
+        prompt = check_prompt(sample.get("prompt"))
+        cfg = self.cfg
+        images = load_sample_images(sample.get("images"), task, cfg.max_frames, cfg.max_image_bytes,
+                                    cfg.max_image_pixels)
+        return dict(sample, prompt=prompt, task=task), images
+
+    def _evaluate(self, chunk: list[tuple[dict, list, list[str]]]) -> list[dict]:
+        """Run one model batch; on failure, retry sample by sample so only the failing one errors."""
+        try:
+            return self._generate(chunk)
+        except Exception as e:  # noqa: BLE001 - a failing sample must not stop the job
+            self.engine.recover()
+            if len(chunk) > 1:
+                log.warning("batch of %d failed (%s: %s); retrying one by one", len(chunk), type(e).__name__, e)
+                rows: list[dict] = []
+                for item in chunk:
+                    rows.extend(self._evaluate([item]))
+                return rows
+            sample, _, methods = chunk[0]
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            msg = f"model error: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"
+            log.warning("sample %s: %s", sample.get("sample_id"), msg)
+            return error_rows(self.job, sample, methods, msg)
+
+    def _generate(self, chunk: list[tuple[dict, list, list[str]]]) -> list[dict]:
+        """One left-padded batch, one shared prefill, ``full`` and the union of the samples' methods."""
+        union: list[str] = []
+        for _, _, methods in chunk:
+            union.extend(m for m in methods if m not in union)
+        if "full" not in union:
+            union.insert(0, "full")
+        results = self.engine.run([c[0]["prompt"] for c in chunk], [c[1] for c in chunk], union,
+                                  task=chunk[0][0]["task"])
+        rows: list[dict] = []
+        for b, (sample, _, methods) in enumerate(chunk):
+            for m in methods:
+                text = self.engine.decode(results[m].sample(b)["tokens"])
+                rows.append(output_row(self.job, sample, m, results[m], b, text))
+        return rows

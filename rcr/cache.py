@@ -89,8 +89,20 @@ class PrefixStore:
 
 
 def gather_heads(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x (B, H, N, d), idx (B, H, k) -> (B, H, k, d)."""
-    return torch.gather(x, 2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+    """x (B, H, N, d), idx (B, H, k) -> (B, H, k, d): the rows ``x[b, h, idx[b, h]]``.
+
+    Rows of d are read with one ``index_select`` on a flat (rows, d) view of x's storage (about 10x faster on
+    CPU than ``torch.gather`` with an index expanded over d). x may be a slice along N of a contiguous tensor
+    (``PrefixStore.prefix_kv``); other layouts fall back to ``torch.gather``."""
+    B, H, N, d = x.shape
+    s0, s1, s2, s3 = x.stride()
+    if s3 != 1 or s2 != d or s1 % d or s0 % d:
+        return torch.gather(x, 2, idx.unsqueeze(-1).expand(*idx.shape, d))
+    n_rows = (B - 1) * (s0 // d) + (H - 1) * (s1 // d) + N
+    rows = x.as_strided((n_rows, d), (d, 1))  # (rows, d) from x's first element
+    base = (torch.arange(B, device=idx.device) * (s0 // d)).view(B, 1, 1) \
+        + (torch.arange(H, device=idx.device) * (s1 // d)).view(1, H, 1)  # (B, H, 1) first row of (b, h)
+    return rows.index_select(0, (idx + base).view(-1)).view(*idx.shape, d)
 
 
 class ResidentLayer(CacheLayerMixin):
@@ -112,6 +124,9 @@ class ResidentLayer(CacheLayerMixin):
         self.layer_idx = layer
         self.prefix = prefix
         self.n_selected = S
+        # any left padding in the batch, read once here: without it no slot or prefix entry is ever invalid and
+        # the decode-time masks are skipped
+        self.padded = not bool(prefix.valid.all())
         cap = S + W + max_new_tokens
         self.keys = pl.keys.new_empty(B, H, cap, d)  # (B, Hkv, cap, d)
         self.values = pl.values.new_empty(B, H, cap, d)
@@ -182,10 +197,13 @@ class ResidentLayer(CacheLayerMixin):
             values = gather_heads(v_p, selection) if values is None else values
         B, H = selection.shape[:2]
         t = trigger.view(B, -1, 1)  # (B, 1, 1) per layer, (B, Hkv, 1) per KV head
-        new_valid = torch.gather(self.prefix.prefix_valid.unsqueeze(1).expand(B, H, -1), 2, selection)
-        self.keys[:, :, :S] = torch.where(t.unsqueeze(-1), keys, self.keys[:, :, :S])
-        self.values[:, :, :S] = torch.where(t.unsqueeze(-1), values, self.values[:, :, :S])
-        self.slot_valid[:, :, :S] = torch.where(t, new_valid, self.slot_valid[:, :, :S])
+        slot_k, slot_v = self.keys[:, :, :S], self.values[:, :, :S]
+        torch.where(t.unsqueeze(-1), keys, slot_k, out=slot_k)  # in place: no copy of the slots
+        torch.where(t.unsqueeze(-1), values, slot_v, out=slot_v)
+        if self.padded:  # without padding every prefix entry, hence every slot, is valid
+            new_valid = torch.gather(self.prefix.prefix_valid.unsqueeze(1).expand(B, H, -1), 2, selection)
+            slot_ok = self.slot_valid[:, :, :S]
+            torch.where(t, new_valid, slot_ok, out=slot_ok)
         self.selection = torch.where(t, selection, self.selection)
 
     def evicted_mask(self) -> torch.Tensor:

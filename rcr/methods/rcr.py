@@ -89,9 +89,9 @@ class RCR(Method):
         # of a masked copy and a log-sum-exp pass. The evicted mass is summed directly (no 1 - resident mass,
         # which would cancel when the resident entries hold almost all of it), and is exactly 0 when nothing
         # is evicted.
-        evicted = torch.ones(p.batch_size, p.n_kv_heads, p.n_prefix, 1, device=probs.device)
-        evicted.scatter_(2, res.selection.unsqueeze(-1), 0.0)  # (B, Hkv, Np, 1); padding has probability 0
-        mass_ev = torch.matmul(probs, evicted).squeeze(-1)  # (B, Hkv, G)
+        evicted = torch.ones(p.batch_size, p.n_kv_heads, 1, p.n_prefix, device=probs.device)
+        evicted.scatter_(3, res.selection.unsqueeze(2), 0.0)  # (B, Hkv, 1, Np); padding has probability 0
+        mass_ev = (probs * evicted).sum(-1)  # (B, Hkv, G)
         lse_ev = approx.amax(-1) - probs.amax(-1).log() + mass_ev.log()
         lse_ev = torch.where(mass_ev > 0, lse_ev, NEG_INF)  # also a sample with no valid prefix entry
         drift_h = torch.sigmoid(lse_ev - lse_res).mean(-1)  # (B, Hkv)

@@ -71,7 +71,7 @@ def reference_decide(method, ctx) -> Decision:
     lse_ev = _masked_lse(approx, _evicted_mask(res))
     drift_h = torch.sigmoid(lse_ev - lse_res).mean(-1)
     drift = drift_h.mean(-1)
-    tau = method.current_tau(st, ctx.layer)
+    tau = method.current_tau(st, ctx.layer).clone()  # (the update is in place now; the values are the same)
     trigger = drift_h > tau.unsqueeze(-1) if cfg.controller_signal == "heads" else drift > tau
     f = trigger.float().mean(-1) if trigger.dim() == 2 else trigger.float()
     method.update_tau(st, ctx.layer, f)

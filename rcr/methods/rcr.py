@@ -64,7 +64,7 @@ class RCR(Method):
         return state.tau
 
     def update_tau(self, state: RCRState, layer: int, f: torch.Tensor) -> None:
-        state.tau = self.controller.update(state.tau, f)
+        state.tau.copy_(self.controller.update(state.tau, f))  # in place: a fixed address (CUDA graphs)
 
     def decide(self, ctx: StepContext) -> Decision:
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
@@ -75,7 +75,7 @@ class RCR(Method):
 
         # 1. estimated drift: exact on resident slots, approximate on evicted prefix entries
         lg_res = logits(qg, res.resident_keys, p.scaling)  # (B, Hkv, G, n)
-        lse_res = masked_lse(lg_res, res.resident_valid) if padded else torch.logsumexp(lg_res, dim=-1)
+        lse_res = masked_lse(lg_res, res.resident_valid) if res.slots_masked else torch.logsumexp(lg_res, dim=-1)
         # One softmax over the detector logits serves the drift and the candidate scores. Padding is set to
         # -inf in place (approx is this step's own tensor); a sample with no valid entry gives NaN rows -> 0.
         approx = det.approx_logits(qg, p.scaling)  # (B, Hkv, G, Np)
@@ -98,7 +98,7 @@ class RCR(Method):
         drift = drift_h.mean(-1)  # (B,)
 
         # 2. trigger against this sample's threshold
-        tau = self.current_tau(st, ctx.layer)
+        tau = self.current_tau(st, ctx.layer).clone()  # the threshold of this step: update_tau works in place
         if cfg.controller_signal == "heads":
             trigger = drift_h > tau.unsqueeze(-1)  # (B, Hkv): per-head refresh
         else:

@@ -27,6 +27,7 @@ machine's noise. Torch runs on 1 thread unless ``--threads`` says otherwise; the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -173,17 +174,25 @@ def stack_7b(n_layers: int, vocab: int, device, dtype):
 
 
 def time_methods(model, prefix, methods, cfg, n_tokens, rounds, settle, sync) -> dict[str, float]:
-    """Median tokens/s per method over ``rounds`` interleaved decodes of ``n_tokens`` each from the same prefix
-    store; every method first decodes ``settle`` untimed tokens once (warm-up, compilation)."""
-    ms = {m: parse_method(m, cfg) for m in methods}
-    for m in methods:
-        rcr.decode(model, prefix, ms[m], settle, eos_token_id=[])
+    """Median tokens/s per method over ``rounds`` interleaved stretches of ``n_tokens`` decode steps. Each method
+    has one decoder from the same prefix store, and first runs ``settle`` untimed steps (tau settles; a compiled
+    decode compiles and, with CUDA graphs, records)."""
+    decs = {m: rcr.Decoder(model, prefix, parse_method(m, cfg), settle + rounds * n_tokens + 1, eos_token_id=[])
+            for m in methods}
     tps = {m: [] for m in methods}
-    for _ in range(rounds):
+    with torch.no_grad(), contextlib.ExitStack() as stack:
         for m in methods:
-            sync()
-            r = rcr.decode(model, prefix, ms[m], n_tokens, eos_token_id=[])
-            tps[m].append((n_tokens - 1) / r.decode_s)  # the first token comes from the prefill
+            stack.enter_context(decs[m].enabled())
+            for _ in range(settle):
+                decs[m].step()
+        for _ in range(rounds):
+            for m in methods:  # interleaved: every method sees the machine at about the same moment
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(n_tokens):
+                    decs[m].step()
+                sync()
+                tps[m].append(n_tokens / (time.perf_counter() - t0))
     return {m: statistics.median(v) for m, v in tps.items()}
 
 
@@ -195,8 +204,8 @@ def print_tps(name: str, tps: dict[str, float]) -> None:
 def model_mode(args, device, dtype, sync) -> None:
     cfg = RCRConfig(**({"compile": args.compile} if args.compile else {}))
     methods = [m for m in MODEL_METHODS if m in args.methods]
-    print(f"model mode: device {device}, {dtype}; {args.tokens} tokens per decode, median of {args.rounds} "
-          f"interleaved rounds after {args.settle} untimed tokens per method" +
+    print(f"model mode: device {device}, {dtype}; median of {args.rounds} interleaved stretches of {args.tokens} "
+          f"decode steps per method, after {args.settle} untimed steps" +
           (f"; compile={args.compile}" if args.compile else ""))
     print(f"{'model':<28} {'method':>7} {'tokens/s':>9} {'x full':>7}")
     if "embedded" in args.models:
@@ -224,8 +233,8 @@ def main():
     ap.add_argument("--settle", type=int, default=None,
                     help="untimed steps every method runs first, so tau reaches its steady state "
                          "(default: 150 layer-steps in layer mode, 8 tokens in model mode)")
-    ap.add_argument("--tokens", type=int, default=48, help="model mode: tokens per timed decode")
-    ap.add_argument("--rounds", type=int, default=3, help="model mode: interleaved timed decodes per method")
+    ap.add_argument("--tokens", type=int, default=32, help="model mode: decode steps per timed stretch")
+    ap.add_argument("--rounds", type=int, default=3, help="model mode: interleaved timed stretches per method")
     ap.add_argument("--models", default="embedded,7b", help="model mode: comma-separated of embedded, 7b")
     ap.add_argument("--model", default=os.path.join(ROOT, "assets", "embedded", "model"))
     ap.add_argument("--stack-layers", type=int, default=2, help="model mode: layers of the 7B-geometry stack")

@@ -1,53 +1,91 @@
-"""Per-layer decode-step cost of full, bacon, exact and rcr at a real 7B attention geometry.
+"""Decode cost of full, bacon, exact, rcr and quest, measured side by side in one run.
 
-Qwen2-VL-7B attention: 28 query heads, 4 KV heads, head dim 128. For each prefix length, one layer's
-prefix store is filled with random post-RoPE keys/values, and the real decode machinery (ResidentLayer +
-DecodeSession: decide, masked merge, SDPA over resident slots) is timed one layer-step at a time. Methods
-are interleaved round-robin in the same run, so the printed ratios to `full` share the machine's noise.
+Two modes:
 
-It also prints the counted reads per KV head per layer-step next to the paper's cost model:
-about Np/16 detector dot products (rank 8 / head dim 128) + 160 * r vector reads for rcr, where r is the
-realised refresh fraction.
+``--mode layer`` (default): one decoder layer's decode step at the Qwen2-VL-7B attention geometry (28 query
+heads, 4 KV heads, head dim 128). For each prefix length, one layer's prefix store is filled with random
+post-RoPE keys/values and the real decode machinery (ResidentLayer + DecodeSession: decide, masked merge,
+attention over resident slots) is timed one layer-step at a time. ``full(gqa)`` is the attention path before
+the one-token fast path (SDPA with ``enable_gqa=True`` over the Hkv heads), kept here for the comparison.
+It also prints the counted reads per KV head per layer-step next to the paper's cost model (about Np/16
+detector dot products at rank 8 / head dim 128, plus 160 * r vector reads for rcr, r the refresh fraction).
 
-    python benchmarks/decode_cost.py                  # 1k, 4k, 16k on CPU (fp32)
-    python benchmarks/decode_cost.py --device cuda    # bf16 on a GPU
+``--mode model``: decode tokens/s of whole models from one prefill (prefix store), every method decoding the
+same number of tokens: the embedded model (``assets/embedded/model``) on a synthetic detailcaps scene, and a
+few random-weight layers of the 7B geometry (hidden 3584, MLP 18944) on a random prefix store of Np entries.
+
+Every method gets the same untimed settle steps (the rate controller's tau0 is far below the drift of random
+keys; the settle steps also give every cache the same number of generated entries), methods are interleaved
+round-robin, and each row prints its ratio to ``full`` measured in the same run, so the ratios share the
+machine's noise. Torch runs on 1 thread unless ``--threads`` says otherwise; the load average is printed.
+
+    python benchmarks/decode_cost.py                            # layer mode: 1k, 4k, 16k on CPU (fp32)
+    python benchmarks/decode_cost.py --mode model               # tokens/s: embedded model, 7B-geometry stack
+    python benchmarks/decode_cost.py --device cuda              # bf16 on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
-from rcr import RCRConfig
-from rcr.cache import PrefixLayer, PrefixStore
-from rcr.generate import DecodeSession, build_cache
-from rcr.methods import parse_method
-from rcr.telemetry import Telemetry
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-HQ, HKV, D = 28, 4, 128
-METHODS = ["full", "bacon", "exact", "rcr"]
+import rcr  # noqa: E402
+from rcr import RCRConfig  # noqa: E402
+from rcr.cache import PrefixLayer, PrefixStore  # noqa: E402
+from rcr.generate import DecodeSession, build_cache  # noqa: E402
+from rcr.methods import parse_method  # noqa: E402
+from rcr.telemetry import Telemetry  # noqa: E402
+
+HQ, HKV, D = 28, 4, 128  # Qwen2-VL-7B attention
+HIDDEN, MLP = 3584, 18944  # Qwen2-VL-7B text layer
+LAYER_METHODS = ["full(gqa)", "full", "bacon", "exact", "rcr", "quest"]
+MODEL_METHODS = ["full", "bacon", "exact", "rcr", "quest"]
 
 
-def make_prefix(n_prompt: int, cfg: RCRConfig, device, dtype) -> PrefixStore:
-    g = torch.Generator(device="cpu").manual_seed(n_prompt)
-    keys = torch.randn(1, HKV, n_prompt, D, generator=g).to(device, dtype)
-    values = torch.randn(1, HKV, n_prompt, D, generator=g).to(device, dtype)
-    qwin = torch.randn(1, HQ, cfg.window, D, generator=g).to(device, dtype)
-    return PrefixStore(layers=[PrefixLayer(keys, values, qwin)], valid=torch.ones(1, n_prompt, dtype=torch.bool,
-                       device=device), next_position=torch.tensor([n_prompt], device=device),
-                       first_logits=torch.zeros(1, 8, device=device), window=cfg.window, scaling=D ** -0.5,
-                       n_kv_heads=HKV, n_q_heads=HQ, head_dim=D)
+def load_line() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs; torch threads {torch.get_num_threads()}"
+
+
+def random_prefix(n_layers: int, n_prompt: int, cfg: RCRConfig, device, dtype, vocab: int = 8,
+                  seed: int = 0) -> PrefixStore:
+    """A prefix store of random post-RoPE keys/values at the 7B attention geometry, batch 1, no padding."""
+    g = torch.Generator(device="cpu").manual_seed(seed + n_prompt)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    layers = [PrefixLayer(rnd(1, HKV, n_prompt, D), rnd(1, HKV, n_prompt, D), rnd(1, HQ, cfg.window, D))
+              for _ in range(n_layers)]
+    return PrefixStore(layers=layers, valid=torch.ones(1, n_prompt, dtype=torch.bool, device=device),
+                       next_position=torch.tensor([n_prompt], device=device),
+                       first_logits=torch.randn(1, vocab, generator=g).to(device), window=cfg.window,
+                       scaling=D ** -0.5, n_kv_heads=HKV, n_q_heads=HQ, head_dim=D)
+
+
+def attend_gqa(query, keys, values, scaling):
+    """The one-token decode attention before the fast path: SDPA with enable_gqa over (B, Hq, 1, d)."""
+    out = F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
 
 
 class LayerStep:
     """One decoder layer's decode step for one method: append the new token's K/V, then the attention hook."""
 
     def __init__(self, label: str, prefix: PrefixStore, cfg: RCRConfig, steps: int):
-        self.method = parse_method(label, cfg)
+        self.gqa = label == "full(gqa)"
+        self.method = parse_method("full" if self.gqa else label, cfg)
         self.cache = build_cache(self.method, prefix, steps + 8)
         self.tel = Telemetry(1, 1, steps + 8, prefix.valid.device, False, False)
         self.session = DecodeSession(self.method, prefix, self.cache, self.method.init_state(prefix), self.tel,
@@ -59,65 +97,164 @@ class LayerStep:
     def __call__(self, q, k, v):
         self.session.step = self.t
         keys, values = self.cache.layers[0].update(k, v)
-        self.session(self.module, q, keys, values, None, scaling=self.prefix.scaling)
+        if self.gqa:
+            attend_gqa(q, keys, values, self.prefix.scaling)
+        else:
+            self.session(self.module, q, keys, values, None, scaling=self.prefix.scaling)
         self.t += 1
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    ap.add_argument("--steps", type=int, default=40, help="timed layer-steps per method and length")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--settle", type=int, default=150,
-                    help="untimed rcr layer-steps first, so tau reaches its steady state (tau0=0.03 is far below "
-                         "the drift of random keys)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def layer_mode(args, device, dtype, sync) -> None:
     cfg = RCRConfig()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    print(f"geometry: {HQ} q heads, {HKV} KV heads, head dim {D}; device {device}, {dtype}; "
-          f"selected {cfg.selected} + window {cfg.window}, candidates {cfg.candidates}, rank {cfg.rank}")
-    print(f"{'Np':>7} {'method':>7} {'ms/layer-step':>14} {'x full':>7} {'refresh r':>9} "
+    methods = [m for m in LAYER_METHODS if m in args.methods or (m == "full(gqa)" and "full" in args.methods)]
+    print(f"layer mode: {HQ} q heads, {HKV} KV heads, head dim {D}; device {device}, {dtype}; selected "
+          f"{cfg.selected} + window {cfg.window}, candidates {cfg.candidates}, rank {cfg.rank}; "
+          f"{args.settle} settle + {args.steps} timed layer-steps per method")
+    print(f"{'Np':>7} {'method':>9} {'ms/layer-step':>14} {'x full':>7} {'x bacon':>8} {'refresh r':>9} "
           f"{'keys+vals read':>15} {'detector dots':>14} {'model: Np/16 + 160r':>20}")
     for n in args.lengths:
-        prefix = make_prefix(n + cfg.window, cfg, device, dtype)
+        prefix = random_prefix(1, n + cfg.window, cfg, device, dtype)
         np_ = prefix.n_prefix
-        total = args.warmup + args.steps
-        runners = {m: LayerStep(m, prefix, cfg, total + args.settle) for m in METHODS}
-        times = {m: [] for m in METHODS}
+        total = args.settle + args.steps
+        runners = {m: LayerStep(m, prefix, cfg, total) for m in methods}
+        times = {m: [] for m in methods}
         g = torch.Generator(device="cpu").manual_seed(0)
         with torch.no_grad():
-            for _ in range(args.settle):
-                q, k, v = (torch.randn(1, h, 1, D, generator=g).to(device, dtype) for h in (HQ, HKV, HKV))
-                runners["rcr"](q, k, v)
             for i in range(total):
-                q = torch.randn(1, HQ, 1, D, generator=g).to(device, dtype)
-                k = torch.randn(1, HKV, 1, D, generator=g).to(device, dtype)
-                v = torch.randn(1, HKV, 1, D, generator=g).to(device, dtype)
-                for m in METHODS:  # interleaved: same inputs, same moment
+                q, k, v = (torch.randn(1, h, 1, D, generator=g).to(device, dtype) for h in (HQ, HKV, HKV))
+                for m in methods:  # interleaved: same inputs, same moment, same number of steps
                     sync()
                     t0 = time.perf_counter()
                     runners[m](q, k, v)
                     sync()
-                    if i >= args.warmup:
+                    if i >= args.settle:
                         times[m].append(time.perf_counter() - t0)
-        base = statistics.median(times["full"])
-        for m in METHODS:
-            med = statistics.median(times[m])
+        med = {m: statistics.median(times[m]) for m in methods}
+        for m in methods:
             tel = runners[m].tel
-            first = runners[m].t - args.steps  # the timed layer-steps
-            s = slice(first, runners[m].t)
+            s = slice(args.settle, total)
             r = float(tel.trigger[0, 0, s].mean())
             reads = float((tel.keys_read[0, 0, s] + tel.values_read[0, 0, s]).mean())
             dots = float(tel.detector_dots[0, 0, s].mean())
             model = f"{np_ / 16:.0f} + {160 * r:.1f}" if m == "rcr" else "-"
-            print(f"{np_:>7} {m:>7} {med * 1e3:>14.3f} {med / base:>7.2f} {r:>9.2f} {reads:>15.1f} "
-                  f"{dots:>14.1f} {model:>20}")
+            xb = f"{med[m] / med['bacon']:8.2f}" if "bacon" in med else f"{'-':>8}"
+            print(f"{np_:>7} {m:>9} {med[m] * 1e3:>14.3f} {med[m] / med['full']:>7.2f} {xb} {r:>9.2f} "
+                  f"{reads:>15.1f} {dots:>14.1f} {model:>20}", flush=True)
+        if "full(gqa)" in med:
+            print(f"{np_:>7} full / full(gqa) = {med['full'] / med['full(gqa)']:.2f}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- model mode
+
+def embedded_model(args, device, dtype):
+    from pipeline import synthetic as S
+    from PIL import Image
+
+    model, processor = rcr.models.load(args.model, device=device, dtype=dtype)
+    frames, _ = S.render("detailcaps", S.HELDOUT_SEED, 0)
+    inputs = rcr.models.build_inputs(processor, [rcr.models.PROMPTS["detailcaps"]], [[Image.fromarray(frames[0])]])
+    return model, inputs
+
+
+def stack_7b(n_layers: int, vocab: int, device, dtype):
+    """A Qwen2-VL of ``n_layers`` random-weight text layers at the 7B geometry (tiny vision tower, small vocab)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    cfg = Qwen2VLConfig(
+        text_config=dict(hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=n_layers,
+                         num_attention_heads=HQ, num_key_value_heads=HKV, vocab_size=vocab,
+                         max_position_embeddings=65536, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=HIDDEN, num_heads=2, in_channels=3, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(cfg).to(device, dtype).eval()
+    return model
+
+
+def time_methods(model, prefix, methods, cfg, n_tokens, rounds, settle, sync) -> dict[str, float]:
+    """Median tokens/s per method over ``rounds`` interleaved stretches of ``n_tokens`` decode steps. Each method
+    has one decoder from the same prefix store, and first runs ``settle`` untimed steps (tau settles; a compiled
+    decode compiles and, with CUDA graphs, records)."""
+    decs = {m: rcr.Decoder(model, prefix, parse_method(m, cfg), settle + rounds * n_tokens + 1, eos_token_id=[])
+            for m in methods}
+    tps = {m: [] for m in methods}
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for m in methods:
+            stack.enter_context(decs[m].enabled())
+            for _ in range(settle):
+                decs[m].step()
+        for _ in range(rounds):
+            for m in methods:  # interleaved: every method sees the machine at about the same moment
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(n_tokens):
+                    decs[m].step()
+                sync()
+                tps[m].append(n_tokens / (time.perf_counter() - t0))
+    return {m: statistics.median(v) for m, v in tps.items()}
+
+
+def print_tps(name: str, tps: dict[str, float]) -> None:
+    for m, v in tps.items():
+        print(f"{name:<28} {m:>7} {v:>9.1f} {v / tps['full']:>7.2f}", flush=True)
+
+
+def model_mode(args, device, dtype, sync) -> None:
+    cfg = RCRConfig(**({"compile": args.compile} if args.compile else {}))
+    methods = [m for m in MODEL_METHODS if m in args.methods]
+    print(f"model mode: device {device}, {dtype}; median of {args.rounds} interleaved stretches of {args.tokens} "
+          f"decode steps per method, after {args.settle} untimed steps" +
+          (f"; compile={args.compile}" if args.compile else ""))
+    print(f"{'model':<28} {'method':>7} {'tokens/s':>9} {'x full':>7}")
+    if "embedded" in args.models:
+        model, inputs = embedded_model(args, device, dtype)
+        with torch.no_grad():
+            prefix = rcr.prefill(model, inputs, cfg)
+        name = f"embedded (Np={prefix.n_prefix})"
+        print_tps(name, time_methods(model, prefix, methods, cfg, args.tokens, args.rounds, args.settle, sync))
+    if "7b" in args.models:
+        vocab = 1024
+        model = stack_7b(args.stack_layers, vocab, device, dtype)
+        for n in args.lengths:
+            prefix = random_prefix(args.stack_layers, n + cfg.window, cfg, device, dtype, vocab=vocab)
+            name = f"7B x{args.stack_layers} layers (Np={prefix.n_prefix})"
+            print_tps(name, time_methods(model, prefix, methods, cfg, args.tokens, args.rounds, args.settle, sync))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["layer", "model"], default="layer")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None,
+                    help="prefix lengths Np (default: 1024 4096 16384 in layer mode, 1024 16384 in model mode)")
+    ap.add_argument("--methods", default=",".join(MODEL_METHODS), help="comma-separated; full is always included")
+    ap.add_argument("--steps", type=int, default=40, help="layer mode: timed layer-steps per method and length")
+    ap.add_argument("--settle", type=int, default=None,
+                    help="untimed steps every method runs first, so tau reaches its steady state "
+                         "(default: 150 layer-steps in layer mode, 8 tokens in model mode)")
+    ap.add_argument("--tokens", type=int, default=32, help="model mode: decode steps per timed stretch")
+    ap.add_argument("--rounds", type=int, default=3, help="model mode: interleaved timed stretches per method")
+    ap.add_argument("--models", default="embedded,7b", help="model mode: comma-separated of embedded, 7b")
+    ap.add_argument("--model", default=os.path.join(ROOT, "assets", "embedded", "model"))
+    ap.add_argument("--stack-layers", type=int, default=2, help="model mode: layers of the 7B-geometry stack")
+    ap.add_argument("--compile", default=None, help="model mode: RCRConfig.compile for every method")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = ap.parse_args()
+    args.methods = sorted({"full", *args.methods.split(",")})
+    args.models = args.models.split(",")
+    if args.lengths is None:
+        args.lengths = [1024, 4096, 16384] if args.mode == "layer" else [1024, 16384]
+    if args.settle is None:
+        args.settle = 150 if args.mode == "layer" else 8
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    print(load_line())
+    (layer_mode if args.mode == "layer" else model_mode)(args, device, dtype, sync)
+    print(load_line())
 
 
 if __name__ == "__main__":

@@ -41,8 +41,17 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_v
     ``causal_tail``: the last ``q`` slots are the queries' own keys and are causally masked (teacher-forced
     passes); 0 for one-token decode. Returns (B, q, Hq, d), the layout transformers expects.
     """
-    B, Hq, q, _ = query.shape
-    G = Hq // keys.shape[1]
+    B, Hq, q, d = query.shape
+    Hkv = keys.shape[1]
+    G = Hq // Hkv
+    if q == 1 and not causal_tail:
+        # One-token decode: the G query heads of a KV head are G query rows of one attention head (query head j
+        # belongs to KV head j // G, transformers' repeat_kv convention), so SDPA reads each KV head once.
+        # With enable_gqa, CPU SDPA reads every KV head once per query head: G times the memory traffic.
+        mask = None if slot_valid is None else slot_valid.unsqueeze(2)  # (B, Hkv, 1, n), broadcast over G
+        out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G, d), keys, values, attn_mask=mask,
+                                             scale=scaling)  # (B, Hkv, G, d)
+        return out.reshape(B, 1, Hq, d)
     mask = None
     if slot_valid is not None:
         mask = slot_valid.repeat_interleave(G, dim=1).unsqueeze(2)  # (B, Hq, 1, n)

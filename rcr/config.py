@@ -11,6 +11,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+# RCRConfig.compile: torch.compile modes, then torch's debugging backends
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "eager", "aot_eager")
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the field."""
 
@@ -77,6 +81,11 @@ class RCRConfig:
     record_attention: bool = False  # `full` decodes record the most-attended prefix position per layer-step
     # --- decoding ---
     eos_check_every: int = 8  # decode steps between host checks for "every sample finished"
+    # compile the whole decode step (model forward + the method's per-layer decision) with
+    # torch.compile(fullgraph=True) over a static-shape resident cache: None = eager; a torch.compile mode,
+    # "default", "reduce-overhead" (CUDA graphs on a GPU) or "max-autotune"; or "eager" / "aot_eager",
+    # torch's debugging backends (trace and check the graph, no code generation).
+    compile: str | None = None
     extra: dict = field(default_factory=dict, compare=False)  # free-form notes, logged with the config
 
     def __post_init__(self):
@@ -120,6 +129,9 @@ class RCRConfig:
         need(self.infinigen_layer0 in ("exact_query", "static"), "infinigen_layer0",
              "must be 'exact_query' or 'static'")
         need(isinstance(self.offload, bool), "offload", "must be a bool")
+        need(self.compile in COMPILE_MODES, "compile", f"must be one of {list(COMPILE_MODES)}")
+        need(self.compile is None or not self.offload, "compile",
+             "cannot be combined with offload=True: offload mode reads the trigger on the host every layer-step")
 
     def check_model(self, head_dim: int) -> None:
         """Checks that depend on the model's geometry (called before prefill)."""

@@ -71,11 +71,12 @@ class DecodeSession:
     def __init__(self, method: Method, prefix: PrefixStore, cache: ResidentCache, state, telemetry: Telemetry,
                  masked: bool, reader=None):
         self.method, self.prefix, self.cache, self.state, self.tel = method, prefix, cache, state, telemetry
-        self.masked = masked  # any invalid (padding) slot in the batch; decided once, on the host, at build
+        # any invalid slot in the batch (left padding, or static mode's unwritten slots); decided once, at build
+        self.masked = masked
         # how the method's reads reach the device; in offload mode the method sees the host-memory store
         self.reader = reader or ResidentReader(prefix)
         self.method_prefix = self.reader.prefix
-        self.step = 0
+        self.step = 0  # the decode step: an int, or a (1,) device tensor in a compiled (static) decode
         cfg = method.config
         self.exact_stats = (cfg.exact_drift or telemetry.top_prefix_pos is not None) and prefix.n_prefix > 0
         self.decides = method.reselects and prefix.n_prefix > 0
@@ -105,14 +106,14 @@ class DecodeSession:
         if self.tel.drift_exact is not None:
             lse_ev = masked_lse(lg_p, res.evicted_mask())
             lse_res = masked_lse(lg_res, res.resident_valid)
-            self.tel.drift_exact[:, layer, self.step] = torch.sigmoid(lse_ev - lse_res).mean(dim=(1, 2))
+            self.tel.put(self.tel.drift_exact, layer, self.step, torch.sigmoid(lse_ev - lse_res).mean(dim=(1, 2)))
         if self.tel.top_prefix_pos is not None:
             S = res.n_selected  # attention over the full context: the whole prefix + window + generated
             lse_all = torch.logaddexp(masked_lse(lg_p, p.prefix_valid.unsqueeze(1)),
                                       masked_lse(lg_res[..., S:], res.resident_valid[..., S:]))
             probs = torch.exp(lg_p - lse_all.unsqueeze(-1)).mean(dim=(1, 2))  # (B, Np), mean over all heads
             probs = probs.masked_fill(~p.prefix_valid, -1.0)
-            self.tel.top_prefix_pos[:, layer, self.step] = (probs.argmax(-1) - p.pad).int()
+            self.tel.put(self.tel.top_prefix_pos, layer, self.step, probs.argmax(-1) - p.pad)
 
 
 @dataclass
@@ -139,9 +140,9 @@ class GenerationResult:
 
 
 def build_cache(method: Method, prefix: PrefixStore, max_new_tokens: int,
-                reference_scores: list[torch.Tensor] | None = None) -> ResidentCache:
+                reference_scores: list[torch.Tensor] | None = None, static: bool = False) -> ResidentCache:
     ctx = BuildContext(prefix=prefix, config=method.config, reference_scores=reference_scores)
-    layers = [ResidentLayer(prefix, i, method.initial_selection(ctx, i), max_new_tokens)
+    layers = [ResidentLayer(prefix, i, method.initial_selection(ctx, i), max_new_tokens, static)
               for i in range(len(prefix.layers))]  # in layer order: BACON's trace reads earlier layers
     return ResidentCache(layers)
 
@@ -151,9 +152,17 @@ def _eos_tensor(eos_token_id, device) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
+def _compile_options(mode: str) -> dict:
+    return {"backend": mode} if mode in ("eager", "aot_eager") else {"mode": mode}
+
+
 class Decoder:
     """Greedy decode of one method from a prefix store. ``step`` is one token for the whole batch and never
-    reads a device value on the host; ``run`` checks for "all finished" every ``eos_check_every`` steps."""
+    reads a device value on the host; ``run`` checks for "all finished" every ``eos_check_every`` steps.
+
+    With ``config.compile`` the resident cache has static shapes and the model forward with every layer's
+    decision runs as one ``torch.compile(fullgraph=True)`` graph (CUDA graphs with "reduce-overhead"); the
+    step index reaches it as a device tensor, and the host-side counters advance outside it."""
 
     def __init__(self, model, prefix: PrefixStore, method: Method, max_new_tokens: int, eos_token_id=None,
                  pad_token_id: int = 0, reference_scores=None):
@@ -165,12 +174,14 @@ class Decoder:
         cfg = method.config
         dev = prefix.valid.device
         B, L = prefix.batch_size, len(prefix.layers)
-        self.cache = build_cache(method, prefix, max_new_tokens, reference_scores)
+        self.static = cfg.compile is not None
+        self.cache = build_cache(method, prefix, max_new_tokens, reference_scores, static=self.static)
         self.state = method.init_state(prefix)  # detectors etc. are built on the device, as after a prefill
         # the most-attended prefix position is a property of uncompressed attention: recorded on `full` only
         self.tel = Telemetry(B, L, max(max_new_tokens - 1, 0), dev, cfg.exact_drift,
                              cfg.record_attention and method.uncompressed)
-        masked = not bool(prefix.valid.all()) or any(not bool(layer.resident_valid.all()) for layer in self.cache.layers)
+        masked = self.static or not bool(prefix.valid.all()) or any(not bool(layer.resident_valid.all())
+                                                                    for layer in self.cache.layers)
         # offload mode: from here on the method and its resident layers see only the host-memory store
         self.offload = bool(cfg.offload and method.supports_offload and method.reselects and prefix.n_prefix > 0)
         reader = None
@@ -187,15 +198,40 @@ class Decoder:
         self.tokens[:, 0] = first
         self.finished = torch.isin(first, self.eos)
         self.t = 0  # decode steps done
+        # A 4-D mask is taken as given by transformers, which then builds none: the "rcr" hook attends with the
+        # resident slots' own validity and ignores it. (B, 1, 1, 1) bool, never read.
+        self.no_mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=dev)
+        self.forward = self._forward
+        if self.static:
+            self.session.step = torch.zeros(1, dtype=torch.long, device=dev)
+            for buf in self._persistent_tensors():  # CUDA graphs replay on fixed addresses
+                torch._dynamo.mark_static_address(buf)
+            self.forward = torch.compile(self._forward, fullgraph=True, **_compile_options(cfg.compile))
+
+    def _persistent_tensors(self) -> list[torch.Tensor]:
+        bufs = [self.session.step, self.no_mask]
+        for layer in self.cache.layers:
+            bufs += [layer.keys, layer.values, layer.slot_valid, layer.write_pos, layer.selection]
+        bufs += [v for v in vars(self.tel).values() if isinstance(v, torch.Tensor)]
+        return bufs
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One decode step of the model, every layer's decision included -> next-token logits (B, V)."""
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=self.no_mask,
+                         cache=self.cache, use_cache=True, rcr_hook=self.session, logits_to_keep=1)
+        return out.logits[:, -1]
 
     def step(self) -> None:
         t = self.t
-        self.session.step = t
-        out = self.model(input_ids=self.tokens[:, t : t + 1],
-                         position_ids=self.adapter.positions(self.prefix.next_position + t, 1),
-                         cache=self.cache, use_cache=True, rcr_hook=self.session, logits_to_keep=1)
-        nxt = out.logits[:, -1].argmax(-1)
-        nxt = torch.where(self.finished, self.pad, nxt)
+        if self.static:
+            self.session.step.fill_(t)
+        else:
+            self.session.step = t
+        logits = self.forward(self.tokens[:, t : t + 1], self.adapter.positions(self.prefix.next_position + t, 1))
+        if self.static:
+            for layer in self.cache.layers:
+                layer.advance(1)
+        nxt = torch.where(self.finished, self.pad, logits.argmax(-1))
         self.finished = self.finished | torch.isin(nxt, self.eos)
         self.tokens[:, t + 1] = nxt
         self.t = t + 1

@@ -1,6 +1,7 @@
 """Per-sample decode telemetry, preallocated on the device and copied to the host once per decode.
 
-Buffers are (B, L, T): batch, decoder layers, decode steps. Writes index with Python ints only.
+Buffers are (B, L, T): batch, decoder layers, decode steps. Writes index the step with a Python int, or, in a
+compiled decode, with a (1,) device tensor (so the traced step does not depend on a changing Python value).
 """
 
 from __future__ import annotations
@@ -34,20 +35,29 @@ class Telemetry:
         # written on the host by the offload reader (rcr.offload.HostReader); zeros in GPU-only mode
         self.bytes_moved = np.zeros((batch, layers, steps), dtype=np.float64)
 
-    def record_decision(self, layer: int, step: int, d, cost: dict) -> None:
+    @staticmethod
+    def put(buf: torch.Tensor, layer: int, step, value: torch.Tensor) -> None:
+        """buf[:, layer, step] = value (B,); ``step`` an int or a (1,) long device tensor."""
+        if isinstance(step, torch.Tensor):
+            buf[:, layer].index_copy_(1, step, value.to(buf.dtype).view(-1, 1))
+        else:
+            buf[:, layer, step] = value
+
+    def record_decision(self, layer: int, step, d, cost: dict) -> None:
         """One layer-step's ``Decision``; ``cost`` is the method's cost model (reads per refresh)."""
         trig = d.trigger.float()
         frac = trig.mean(-1) if trig.dim() == 2 else trig  # (B,)
-        self.trigger[:, layer, step] = frac
-        self.keys_read[:, layer, step] = frac * cost["keys_per_refresh"] if d.keys_read is None else d.keys_read
-        self.values_read[:, layer, step] = (frac * cost["values_per_refresh"] if d.values_read is None
-                                            else d.values_read)
+        self.put(self.trigger, layer, step, frac)
+        self.put(self.keys_read, layer, step,
+                 frac * cost["keys_per_refresh"] if d.keys_read is None else d.keys_read)
+        self.put(self.values_read, layer, step,
+                 frac * cost["values_per_refresh"] if d.values_read is None else d.values_read)
         if d.drift is not None:
-            self.drift[:, layer, step] = d.drift
+            self.put(self.drift, layer, step, d.drift)
         if d.tau is not None:
-            self.tau[:, layer, step] = d.tau
+            self.put(self.tau, layer, step, d.tau)
         if d.detector_dots is not None:
-            self.detector_dots[:, layer, step] = d.detector_dots
+            self.put(self.detector_dots, layer, step, d.detector_dots)
 
     def to_host(self) -> "HostTelemetry":
         names = FIELDS_FLOAT + ("drift_exact", "top_prefix_pos")

@@ -18,9 +18,11 @@ def hf_greedy(model, inputs, n):
     return out[:, inputs["input_ids"].shape[1]:]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("prompt_words", [[6], [3, 30, 12]], ids=["batch1", "batch3_mixed"])
-def test_every_method_equals_full_with_budget_over_prefix(family, prompt_words):
+def test_every_method_equals_full_with_budget_over_prefix(family, prompt_words, dtype):
     name, model, proc = family
+    model = model.to(dtype)  # bf16 on CPU: dtype mistakes show up without a GPU
     inputs = tiny_models.batch_inputs(proc, prompt_words)
     assert inputs["attention_mask"].shape[0] == len(prompt_words)
     if len(prompt_words) > 1:

@@ -205,10 +205,11 @@ def forbid_host_sync():
             setattr(torch.Tensor, n, f)
 
 
+@pytest.mark.parametrize("compile", [None, "eager"], ids=["eager_decode", "compiled_decode"])
 @pytest.mark.parametrize("label", ["rcr", "fixed", "exact", "bacon", "full"])
-def test_decode_step_makes_no_host_sync(qwen_prefix, label):
+def test_decode_step_makes_no_host_sync(qwen_prefix, label, compile):
     model, _, prefix = qwen_prefix
-    cfg = SMALL.replace(exact_drift=True, record_attention=True)
+    cfg = SMALL.replace(exact_drift=True, record_attention=True, compile=compile)
     dec = rcr.Decoder(model, prefix, parse_method(label, cfg), max_new_tokens=6, eos_token_id=[0])
     with rcr_attention_enabled(model), torch.no_grad():
         dec.step()

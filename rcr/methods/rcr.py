@@ -24,7 +24,7 @@ import torch
 from ..cache import gather_heads
 from ..controller import RateController
 from ..detector import Detector
-from ..scoring import group_queries, logits, masked_lse, reduce_heads, top_sorted
+from ..scoring import NEG_INF, group_queries, logits, masked_lse, reduce_heads, top_sorted
 from .base import Decision, Method, StepContext
 
 
@@ -65,23 +65,41 @@ class RCR(Method):
         return state.tau
 
     def update_tau(self, state: RCRState, layer: int, f: torch.Tensor) -> None:
-        state.tau = self.controller.update(state.tau, f)
+        state.tau.copy_(self.controller.update(state.tau, f))  # in place: a fixed address (CUDA graphs)
 
     def decide(self, ctx: StepContext) -> Decision:
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
         det = st.detectors[ctx.layer]
         qg = group_queries(ctx.query, p.n_kv_heads)  # (B, Hkv, G, d)
         valid_p = p.prefix_valid.unsqueeze(1)  # (B, 1, Np)
+        padded = res.padded  # masks only where the batch has left padding: otherwise every entry is valid
 
         # 1. estimated drift: exact on resident slots, approximate on evicted prefix entries
-        lse_res = masked_lse(logits(qg, res.resident_keys, p.scaling), res.resident_valid)  # (B, Hkv, G)
+        lg_res = logits(qg, res.resident_keys, p.scaling)  # (B, Hkv, G, n)
+        lse_res = masked_lse(lg_res, res.resident_valid) if res.slots_masked else torch.logsumexp(lg_res, dim=-1)
+        # One softmax over the detector logits serves the drift and the candidate scores. Padding is set to
+        # -inf in place (approx is this step's own tensor); a sample with no valid entry gives NaN rows -> 0.
         approx = det.approx_logits(qg, p.scaling)  # (B, Hkv, G, Np)
-        lse_ev = masked_lse(approx, res.evicted_mask())
+        if padded:
+            approx.masked_fill_(~valid_p.unsqueeze(2), NEG_INF)
+        probs = torch.softmax(approx, dim=-1)
+        if padded:
+            probs.nan_to_num_(0.0)
+        # LSE over the evicted entries = LSE over all valid entries + log(softmax mass on the evicted ones); at
+        # the row's max logit m the softmax is exp(m - LSE), so LSE = m - log(max prob): two max passes instead
+        # of a masked copy and a log-sum-exp pass. The evicted mass is summed directly (no 1 - resident mass,
+        # which would cancel when the resident entries hold almost all of it), and is exactly 0 when nothing
+        # is evicted.
+        evicted = torch.ones(p.batch_size, p.n_kv_heads, 1, p.n_prefix, device=probs.device)
+        evicted.scatter_(3, res.selection.unsqueeze(2), 0.0)  # (B, Hkv, 1, Np); padding has probability 0
+        mass_ev = (probs * evicted).sum(-1)  # (B, Hkv, G)
+        lse_ev = approx.amax(-1) - probs.amax(-1).log() + mass_ev.log()
+        lse_ev = torch.where(mass_ev > 0, lse_ev, NEG_INF)  # also a sample with no valid prefix entry
         drift_h = torch.sigmoid(lse_ev - lse_res).mean(-1)  # (B, Hkv)
         drift = drift_h.mean(-1)  # (B,)
 
         # 2. trigger against this sample's threshold
-        tau = self.current_tau(st, ctx.layer)
+        tau = self.current_tau(st, ctx.layer).clone()  # the threshold of this step: update_tau works in place
         if cfg.controller_signal == "heads":
             trigger = drift_h > tau.unsqueeze(-1)  # (B, Hkv): per-head refresh
         else:
@@ -95,13 +113,20 @@ class RCR(Method):
 
         # 3. candidates: detector top-C over the whole prefix, exact re-scoring, keep top S
         n_cand = min(cfg.candidates, p.n_prefix)
-        cand = top_sorted(reduce_heads(approx, valid_p, cfg.head_reduction), n_cand)  # (B, Hkv, C)
+        scores = probs.mean(dim=2) if cfg.head_reduction == "mean_prob" else approx.amax(dim=2)  # (B, Hkv, Np)
+        if padded:
+            scores.masked_fill_(~valid_p.expand_as(scores), NEG_INF)
+        cand = top_sorted(scores, n_cand)  # (B, Hkv, C)
         rows = ctx.reader.fired(trigger, cand)  # offload: host view of the trigger; GPU-only: None
         if rows is not None and not bool(rows.any()):
             return Decision(selection=None, **common)  # offload mode: nothing fired, nothing read
         k_c = ctx.reader.gather(ctx.layer, ctx.step, "keys", cand, rows)  # C key reads
-        cand_valid = torch.gather(valid_p.expand(*cand.shape[:2], p.n_prefix), 2, cand)
-        exact = reduce_heads(logits(qg, k_c, p.scaling), cand_valid, cfg.head_reduction)  # (B, Hkv, C)
+        lg_c = logits(qg, k_c, p.scaling)  # (B, Hkv, G, C)
+        if padded:
+            cand_valid = torch.gather(valid_p.expand(*cand.shape[:2], p.n_prefix), 2, cand)
+            exact = reduce_heads(lg_c, cand_valid, cfg.head_reduction)
+        else:
+            exact = torch.softmax(lg_c, dim=-1).mean(dim=2) if cfg.head_reduction == "mean_prob" else lg_c.amax(dim=2)
         top = top_sorted(exact, res.n_selected)  # positions within the candidates, ascending
         sel = torch.gather(cand, 2, top)  # back to prefix indices, ascending
         keys = gather_heads(k_c, top)  # the selected keys are among the candidates: no second key read

@@ -28,7 +28,4 @@ class RCRLayer(RCR):
         return state.tau[:, layer]
 
     def update_tau(self, state: RCRState, layer: int, f: torch.Tensor) -> None:
-        # out of place: the (B,) view handed out by current_tau for this layer-step keeps its value
-        tau = state.tau.clone()
-        tau[:, layer] = self.controller.update(state.tau[:, layer], f)
-        state.tau = tau
+        state.tau[:, layer] = self.controller.update(state.tau[:, layer], f)  # in place (decide cloned its tau)

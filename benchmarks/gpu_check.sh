@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# GPU check of the decode fast path, for a machine with one CUDA device; under 8 minutes. From the repository
+# root, in an environment with the project installed (pip install -e ".[pipeline,test]"):
+#
+#     bash benchmarks/gpu_check.sh            # logs in $OUT (default: a new temporary directory)
+#
+# Steps (each under its own time limit, so the whole stays under 8 minutes):
+#   1. decode_cost.py --device cuda, bf16: layer mode (eager), then model mode eager and graph-captured
+#      (RCRConfig.compile="reduce-overhead": the whole decode step replayed as a CUDA graph);
+#   2. no host sync: decode steps of every re-selecting method under torch.cuda.set_sync_debug_mode("error"),
+#      eager and graph-captured, plus compiled vs eager tokens;
+#   3. offload mode's CUDA path (pinned host store, side-stream copies) token-identical to resident mode;
+#   4. a 4-sample detailcaps job with --device cuda.
+# It ends with one table: step, result, seconds, and the figures that matter.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+ROWS="$OUT/rows.tsv"
+: > "$ROWS"
+
+run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, one row per step
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS rc
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    local result=PASS
+    [ $rc -eq 124 ] && result="TIMEOUT(${limit}s)"
+    [ $rc -ne 0 ] && [ $rc -ne 124 ] && result="FAIL(rc=$rc)"
+    grep -q "^CHECK .* FAIL" "$OUT/$name.log" && result=FAIL
+    printf '%s\t%s\t%s\n' "$name" "$result" "$((SECONDS - t0))" >> "$ROWS"
+}
+
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))" \
+    || { echo "gpu_check: no CUDA device"; exit 2; }
+
+run layer_eager 60 python benchmarks/decode_cost.py --device cuda --lengths 1024 16384 --settle 60 --steps 60
+run model_eager 70 python benchmarks/decode_cost.py --device cuda --mode model --models embedded,7b \
+    --lengths 1024 16384 --stack-layers 4 --tokens 32 --rounds 3 --settle 8
+run model_graph 150 python benchmarks/decode_cost.py --device cuda --mode model --models embedded,7b \
+    --methods full,rcr --lengths 16384 --stack-layers 4 --tokens 32 --rounds 3 --settle 8 --compile reduce-overhead
+
+run sync_offload 90 python - <<'EOF'
+"""No host sync in a decode step (eager and CUDA-graph), compiled == eager tokens, offload == resident tokens."""
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")
+import rcr  # noqa: E402
+import tiny_models  # noqa: E402
+from rcr.methods import parse_method  # noqa: E402
+
+dev = torch.device("cuda")
+model, proc = tiny_models.qwen2_vl()
+model = model.to(dev, torch.bfloat16)
+inputs = tiny_models.batch_inputs(proc, [4, 20], image_size=224)  # left padded
+cfg = rcr.RCRConfig(selected=8, window=8, candidates=32)
+prefix = rcr.prefill(model, inputs, cfg)
+
+
+def check(name, ok, detail=""):
+    print(f"CHECK {name} {'PASS' if ok else 'FAIL'} {detail}", flush=True)
+
+
+N = 12
+for mode, labels in ((None, ("full", "bacon", "exact", "quest", "rcr", "fixed", "rcr_layer")),
+                     ("reduce-overhead", ("full", "rcr"))):  # each graph-captured method compiles (~30 s)
+    for label in labels:
+        dec = rcr.Decoder(model, prefix, parse_method(label, cfg.replace(compile=mode)), N, eos_token_id=[])
+        err = ""
+        with dec.enabled(), torch.no_grad():
+            for _ in range(3):  # compile; CUDA graphs: warm-up and record
+                dec.step()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                while dec.t < N - 1:
+                    dec.step()
+            except RuntimeError as e:
+                err = str(e).splitlines()[0]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        check(f"no_sync[{label},{mode or 'eager'}]", not err, err)
+        if mode and not err:
+            eager = rcr.decode(model, prefix, parse_method(label, cfg), N, eos_token_id=[])
+            same = (dec.tokens.cpu() == eager.sequences).float().mean().item()
+            # informational: fused kernels may round differently in bf16
+            print(f"CHECK compiled_vs_eager[{label}] {'PASS' if same == 1.0 else 'INFO'} tokens equal {same:.3f}")
+
+for label in ("rcr", "fixed", "rcr_layer"):
+    res = rcr.decode(model, prefix, parse_method(label, cfg), 24, eos_token_id=[])
+    off = rcr.decode(model, prefix, parse_method(label, cfg.replace(offload=True)), 24, eos_token_id=[])
+    pinned = prefix.to_host().layers[0].keys.is_pinned()
+    moved = off.telemetry.bytes_moved.sum()
+    check(f"offload[{label}]", off.offload and pinned and torch.equal(res.sequences, off.sequences) and moved > 0,
+          f"pinned={pinned} tokens_equal={torch.equal(res.sequences, off.sequences)} bytes_moved={moved:.0f} "
+          f"refresh={res.telemetry.trigger.mean():.2f}")
+EOF
+
+run job 100 python jobs/detailcaps.py --limit 4 --device cuda --dtype bfloat16 --num-actors 1 --gpus-per-actor 1 \
+    --methods full,bacon,exact,rcr,quest --max-new-tokens 128 --output-dir "$OUT/job" \
+    --mlflow-uri "sqlite:///$OUT/mlflow.db"
+
+echo
+echo "================================ gpu_check: $(python -c 'import torch; print(torch.cuda.get_device_name(0))')"
+printf '%-14s %-16s %5s  %s\n' step result sec figures
+while IFS=$'\t' read -r name result secs; do
+    case $name in
+        layer_eager) figs=$(grep -E "^ +[0-9]+ +(full|bacon|rcr|full\(gqa\)) " "$OUT/$name.log" \
+                            | awk '{printf "%s %s %sms x%s; ", $1, $2, $3, $4}') ;;
+        model_*) figs=$(grep -E "^(embedded|7B)" "$OUT/$name.log" | awk '{printf "%s %s %s tok/s x%s; ", $1$2$3$4, $(NF-2), $(NF-1), $NF}') ;;
+        sync_offload) figs="$(grep -c '^CHECK .* PASS' "$OUT/$name.log") pass, $(grep -c '^CHECK .* FAIL' "$OUT/$name.log") fail, $(grep -c '^CHECK .* INFO' "$OUT/$name.log") info: $(grep -E '^CHECK .* (FAIL|INFO)' "$OUT/$name.log" | cut -c7- | tr '\n' ';')" ;;
+        job) figs=$(tail -n 12 "$OUT/$name.log" | tr -s ' ' | tr '\n' '|' | cut -c1-400) ;;
+    esac
+    printf '%-14s %-16s %5s  %s\n' "$name" "$result" "$secs" "$figs"
+done < "$ROWS"
+echo "logs: $OUT"

@@ -2,6 +2,8 @@
 must reproduce transformers' own greedy `generate`. This guards positions (true positions, M-RoPE), the
 resident layout, masks with left padding, and the prefill-once/decode-many path."""
 
+import copy
+
 import pytest
 import torch
 
@@ -22,7 +24,9 @@ def hf_greedy(model, inputs, n):
 @pytest.mark.parametrize("prompt_words", [[6], [3, 30, 12]], ids=["batch1", "batch3_mixed"])
 def test_every_method_equals_full_with_budget_over_prefix(family, prompt_words, dtype):
     name, model, proc = family
-    model = model.to(dtype)  # bf16 on CPU: dtype mistakes show up without a GPU
+    # bf16 on CPU: dtype mistakes show up without a GPU. A copy: the family fixture's model is cached and shared
+    # with other tests, and Module.to() converts in place.
+    model = copy.deepcopy(model).to(dtype)
     inputs = tiny_models.batch_inputs(proc, prompt_words)
     assert inputs["attention_mask"].shape[0] == len(prompt_words)
     if len(prompt_words) > 1:

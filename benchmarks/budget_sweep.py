@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.join(ROOT, "jobs"))
 
 from eval_embedded import evaluate_task  # noqa: E402  (the pipeline's evaluator on held-out scenes)
 
+from pipeline.analysis.analyze import analyze  # noqa: E402
 from pipeline.data import synthetic as S  # noqa: E402
 from pipeline.run.config import EMBEDDED, JobConfig  # noqa: E402
-from pipeline.analysis.analyze import analyze  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -147,8 +147,9 @@ def layer_mode(args, device, dtype, sync) -> None:
 # ---------------------------------------------------------------------------------------------- model mode
 
 def embedded_model(args, device, dtype):
-    from pipeline import synthetic as S
     from PIL import Image
+
+    from pipeline import synthetic as S
 
     model, processor = rcr.models.load(args.model, device=device, dtype=dtype)
     frames, _ = S.render("detailcaps", S.HELDOUT_SEED, 0)

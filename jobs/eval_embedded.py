@@ -37,10 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from pipeline.analysis.analyze import analyze  # noqa: E402
 from pipeline.data import synthetic as S  # noqa: E402
 from pipeline.run.actor import SampleEvaluator  # noqa: E402
 from pipeline.run.config import EMBEDDED, JobConfig  # noqa: E402
-from pipeline.analysis.analyze import analyze  # noqa: E402
 
 # methods each task decodes (besides full); detailcaps carries the premises, textcaps the short-answer one
 TASK_METHODS = {

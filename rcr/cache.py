@@ -45,9 +45,9 @@ class PrefixStore:
     n_q_heads: int
     head_dim: int
     offloaded: bool = False  # per-layer keys/values live in host memory (deployment mode); the rest stays
-    _host: "PrefixStore | None" = field(default=None, repr=False, compare=False)
+    _host: PrefixStore | None = field(default=None, repr=False, compare=False)
 
-    def to_host(self, pin: bool | None = None) -> "PrefixStore":
+    def to_host(self, pin: bool | None = None) -> PrefixStore:
         """This store with every layer's keys/values in CPU memory (deployment mode). ``pin``: page-locked
         memory, so host-to-device copies can be asynchronous; default: when the store is on a CUDA device.
         Validity, positions, first logits and window queries stay where they are (small; read at build).

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
 # RCRConfig.compile: torch.compile modes, then torch's debugging backends
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "eager", "aot_eager")
 
@@ -141,7 +140,7 @@ class RCRConfig:
             raise ConfigError(f"RCRConfig.infinigen_partial_ratio={self.infinigen_partial_ratio}: gives no partial "
                               f"column at head dim {head_dim}")
 
-    def replace(self, **changes) -> "RCRConfig":
+    def replace(self, **changes) -> RCRConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ConfigError(f"RCRConfig has no field(s) {sorted(unknown)}")
@@ -151,7 +150,7 @@ class RCRConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RCRConfig":
+    def from_dict(cls, d: dict) -> RCRConfig:
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ConfigError(f"RCRConfig has no field(s) {sorted(unknown)}")

@@ -19,7 +19,7 @@ class Detector:
     projected_t: torch.Tensor  # (B, Hkv, r, Np) fp32, contiguous
 
     @classmethod
-    def build(cls, prefix_keys: torch.Tensor, valid: torch.Tensor, rank: int) -> "Detector":
+    def build(cls, prefix_keys: torch.Tensor, valid: torch.Tensor, rank: int) -> Detector:
         """prefix_keys (B, Hkv, Np, d); valid (B, Np). Padded rows are zeroed so they do not shape the basis."""
         k = prefix_keys.float() * valid[:, None, :, None]
         _, _, vh = torch.linalg.svd(k, full_matrices=False)  # vh (B, Hkv, min(Np, d), d)

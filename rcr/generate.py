@@ -26,7 +26,6 @@ from .offload import HostReader, ResidentReader
 from .scoring import group_queries, logits, masked_lse
 from .telemetry import HostTelemetry, Telemetry
 
-
 # ----------------------------------------------------------------------------------------------- prefill
 
 class _PrefillRecorder:

@@ -59,7 +59,7 @@ class Telemetry:
         if d.detector_dots is not None:
             self.put(self.detector_dots, layer, step, d.detector_dots)
 
-    def to_host(self) -> "HostTelemetry":
+    def to_host(self) -> HostTelemetry:
         names = FIELDS_FLOAT + ("drift_exact", "top_prefix_pos")
         return HostTelemetry(**{n: (None if getattr(self, n) is None else getattr(self, n).cpu().numpy())
                                 for n in names}, bytes_moved=self.bytes_moved.copy())

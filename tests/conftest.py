@@ -1,15 +1,9 @@
-import os
-import sys
+"""Shared fixtures. Test modules import helpers as `tests.<module>` (the tests tree is a package)."""
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+from tests import tiny_models
 
-import rcr  # noqa: E402
-import tiny_models  # noqa: E402
-
-# Every method test runs over this list: a method added to the registry is covered automatically.
-ALL_METHODS = list(rcr.METHODS)
 FAMILIES = list(tiny_models.FAMILIES)
 
 

@@ -168,8 +168,7 @@ def tiny_qwen2_vl_dir(root: Path) -> Path:
     d = root / "tiny-qwen2-vl"
     if (d / "config.json").is_file():
         return d
-    sys.path.insert(0, str(REPO / "tests"))
-    import tiny_models
+    from tests import tiny_models
 
     model, proc = tiny_models.qwen2_vl()
     model.save_pretrained(d)

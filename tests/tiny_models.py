@@ -61,10 +61,15 @@ def _qwen_tokenizer():
     })
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def qwen2_vl(seed: int = 0):
-    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
-                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     tok = _qwen_tokenizer()
     cfg = Qwen2VLConfig(
@@ -88,10 +93,15 @@ def qwen2_vl(seed: int = 0):
     return model, proc
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def qwen3_vl(seed: int = 0):
-    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
-                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
 
     tok = _qwen_tokenizer()
     cfg = Qwen3VLConfig(
@@ -118,10 +128,16 @@ def qwen3_vl(seed: int = 0):
     return model, proc
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def llava_next(seed: int = 0):
-    from transformers import (CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
-                              LlavaNextImageProcessor, LlavaNextProcessor, MistralConfig)
+    from transformers import (
+        CLIPVisionConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+        MistralConfig,
+    )
 
     tok = _tokenizer(["<image>"], {"image_token": "<image>"})
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

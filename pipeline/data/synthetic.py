@@ -176,7 +176,7 @@ def _texture_mask(texture: str, size: int, phase: int) -> np.ndarray:
     raise SyntheticError(f"unknown texture {texture!r}")
 
 
-def _paint(img: np.ndarray, cx: int, cy: int, obj: "SceneObject", radius: float, phase: int = 0) -> None:
+def _paint(img: np.ndarray, cx: int, cy: int, obj: SceneObject, radius: float, phase: int = 0) -> None:
     box = int(2 * radius + 4) | 1
     half = box // 2
     mask = _shape_mask(obj.shape, radius, box)

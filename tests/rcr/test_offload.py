@@ -3,14 +3,13 @@ On CPU the outputs must equal resident (GPU-only) mode token for token."""
 
 import numpy as np
 import pytest
-import tiny_models
 import torch
 
 import rcr
+from pipeline.schema import telemetry_summary
 from rcr.methods import parse_method
 from rcr.offload import HostReader
-
-from pipeline.schema import telemetry_summary
+from tests import tiny_models
 
 SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
 OFFLOAD_METHODS = ["rcr", "fixed", "rcr_layer"]

@@ -9,7 +9,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from fake_output import make_output_frame
 from PIL import Image
 
 import rcr.models
@@ -23,6 +22,7 @@ from pipeline.data.images import load_sample_images
 from pipeline.run import config, store
 from rcr.generate import GenerationResult
 from rcr.telemetry import HostTelemetry
+from tests.fake_output import make_output_frame
 
 JOB = schema.JobStamp(model="m", config_hash="abc", job_name="j", task="detailcaps")
 

@@ -1,18 +1,15 @@
 """The actor's callable class on plain dicts (no Ray), with a fake engine: rows, error rows, image modes."""
 
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_helpers import bad_input_records, fake_model_dir, synthetic_records
-
 from pipeline.run.actor import METHODS_COLUMN, SampleEvaluator
 from pipeline.run.config import JobConfig
 from pipeline.schema import OUTPUT_SCHEMA, validate_output_table
+from tests.pipeline_helpers import bad_input_records, fake_model_dir, synthetic_records
 
 METHODS = ["full", "bacon", "rcr"]
 

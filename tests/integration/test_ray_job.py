@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,8 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_helpers import (
+from tests.pipeline_helpers import (
     REPO,
     LocalRayHead,
     bad_input_records,

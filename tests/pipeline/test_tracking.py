@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from fake_output import make_output_frame, write_output_dir
 from mlflow import MlflowClient
 
 from pipeline.analysis import tracking
+from tests.fake_output import make_output_frame, write_output_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("full", "bacon", "exact", "fixed", "rcr", "fixed@0.05")
 RES = 500  # bootstrap resamples: small, the statistics are tested in test_metrics.py
 

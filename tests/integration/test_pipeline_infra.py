@@ -7,7 +7,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,10 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_helpers import PY, REPO, free_port, synthetic_records, write_shard
-
 from pipeline.run.config import JobConfig
+from tests.pipeline_helpers import PY, REPO, free_port, synthetic_records, write_shard
 
 RAYJOB = REPO / "infra" / "kuberay-rayjob.yaml"
 JOBS = ("detailcaps", "textcaps", "video")
@@ -103,7 +100,7 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
     """infra/quickstart.sh (install skipped: this venv) starts Ray + MLflow on 127.0.0.1 via
     infra/local_cluster.sh, submits jobs/detailcaps.py with `ray job submit`, and the job ends with the
     per-method summary and the locations; then `local_cluster.sh stop` stops exactly what it started."""
-    from pipeline_helpers import tiny_qwen2_vl_dir
+    from tests.pipeline_helpers import tiny_qwen2_vl_dir
 
     runs = tmp_path / "runs"
     env = dict(os.environ, RCR_RUNS_DIR=str(runs), RCR_RAY_PORT=str(free_port()), RCR_SKIP_INSTALL="1",

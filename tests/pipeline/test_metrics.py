@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from fake_output import make_output_frame, write_output_dir
 from scipy import stats
 
 from pipeline.analysis import text_metrics
@@ -19,8 +18,9 @@ from pipeline.analysis.labels import parse_sweep_tau, sweep_methods
 from pipeline.analysis.report import format_summary
 from pipeline.analysis.telemetry import refresh_by_step, top_position_stability
 from pipeline.analysis.text_metrics import UnicodeTokenizer, cider_scores, rouge_l_f1, rouge_l_multi
+from tests.fake_output import make_output_frame, write_output_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- fidelity / reference metrics

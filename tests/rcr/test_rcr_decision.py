@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import rcr
-import tiny_models
 from rcr.methods import Decision, parse_method
+from tests import tiny_models
 
 NEG_INF = float("-inf")
 SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)

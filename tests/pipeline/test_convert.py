@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +16,7 @@ from pipeline import data
 from pipeline.data import convert
 from pipeline.schema import INPUT_SCHEMA
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "jobs") not in sys.path:
-    sys.path.insert(0, str(REPO / "jobs"))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _png(colour, size=(32, 24)) -> bytes:
@@ -125,7 +122,7 @@ def test_offline_without_local_copy_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)  # never touch the network in tests
     with pytest.raises(convert.OfflineError, match="--local-path"):
         list(convert.convert_textcaps(cache_dir=str(tmp_path / "empty-cache")))
-    from prepare_data import main
+    from jobs.prepare_data import main
 
     rc = main(["detailcaps", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "empty-cache")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -220,7 +217,7 @@ def test_video_errors(tmp_path):
 
 # ------------------------------------------------------------------------------------- CLI
 def test_prepare_data_cli(tmp_path, capsys):
-    from prepare_data import main
+    from jobs.prepare_data import main
 
     f = tmp_path / "DetailCaps-4870.parquet"
     pq.write_table(detailcaps_table(10), f)

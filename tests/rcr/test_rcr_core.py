@@ -1,7 +1,6 @@
 """RCR mechanics: masked merge vs a branching reference, refresh layout, controller, counters, host syncs,
 drift estimate quality, BACON against an independent float64 reference, config validation."""
 
-import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,15 +9,17 @@ import torch
 from scipy.stats import spearmanr
 
 import rcr
-import tiny_models
-from conftest import ALL_METHODS
 from rcr.attention import rcr_attention_enabled
+from rcr.bacon_score import bacon_layer_scores
 from rcr.controller import RateController
 from rcr.generate import build_cache
 from rcr.methods import RCR, parse_method
 from rcr.methods.exact import Exact
-from rcr.bacon_score import bacon_layer_scores
+from tests import tiny_models
+from tests.host_sync import HostSync, forbid_host_sync
 
+# Every method test runs over the registry: a method added to it is covered automatically.
+ALL_METHODS = list(rcr.METHODS)
 SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
 
 
@@ -179,30 +180,6 @@ def test_counters_and_detector_storage():
     assert (tel.keys_read[~fired] == 0).all() and (tel.values_read[~fired] == 0).all()
     np.testing.assert_allclose(tel.detector_dots, prefix.n_prefix * 8 / prefix.head_dim)
     assert r.cost == {"keys_per_refresh": 128, "values_per_refresh": 32}
-
-
-class HostSync(AssertionError):
-    pass
-
-
-@contextlib.contextmanager
-def forbid_host_sync():
-    """Any read of a tensor value on the host raises inside the block."""
-    names = ["item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def raiser(name):
-        def f(self, *a, **k):
-            raise HostSync(f"host sync: Tensor.{name}")
-        return f
-
-    for n in names:
-        setattr(torch.Tensor, n, raiser(n))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
 
 
 @pytest.mark.parametrize("compile", [None, "eager"], ids=["eager_decode", "compiled_decode"])

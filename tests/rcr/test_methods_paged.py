@@ -4,9 +4,7 @@ selections, InfiniGen's skew and speculation, per-layer thresholds, and no host 
 
 import numpy as np
 import pytest
-import tiny_models
 import torch
-from test_rcr_core import forbid_host_sync
 
 import rcr
 from rcr.cache import PrefixStore
@@ -17,6 +15,8 @@ from rcr.methods.infinigen import InfiniGen, project_query
 from rcr.pages import PageLayout, bound_scores, page_bounds, page_order_scores
 from rcr.scoring import top_sorted
 from rcr.skewing import check_orthogonal, load_calibration, partial_columns, save_calibration, skew_from_grams
+from tests import tiny_models
+from tests.host_sync import forbid_host_sync
 
 SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3, page_size=4)
 

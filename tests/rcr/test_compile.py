@@ -10,8 +10,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import rcr
-import tiny_models
 from rcr.methods import parse_method
+from tests import tiny_models
 
 CFG = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
 N_NEW = 12

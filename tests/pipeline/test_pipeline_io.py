@@ -1,18 +1,14 @@
 """Output store and planning: atomic parts, resume keys, config-hash guard, shard schema checks, duplicates."""
 
-import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_helpers import synthetic_records, write_shard
-
 from pipeline.run.config import ConfigError
 from pipeline.run.store import OutputStore, make_plan, resolve_shards, scan_shards
 from pipeline.schema import output_table
+from tests.pipeline_helpers import synthetic_records, write_shard
 
 
 def _rows(keys, h="abc"):

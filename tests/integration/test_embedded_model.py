@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,15 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
+import rcr.models
+from jobs import train_embedded as T
+from pipeline.analysis.text_metrics import rouge_l_f1
+from pipeline.data import synthetic as S
+from pipeline.run.config import DEFAULT_MAX_NEW_TOKENS
 
-import train_embedded as T  # noqa: E402
-
-import rcr.models  # noqa: E402
-from pipeline.data import synthetic as S  # noqa: E402
-from pipeline.run.config import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
-from pipeline.analysis.text_metrics import rouge_l_f1  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 # RCR_EMBEDDED_MODEL lets a candidate (e.g. runs/train_embedded/final) be checked before it is shipped
 MODEL_DIR = Path(os.environ.get("RCR_EMBEDDED_MODEL", REPO / "assets" / "embedded" / "model"))

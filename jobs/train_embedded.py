@@ -323,7 +323,7 @@ def _atomic_torch_save(obj, path: Path):
         torch.save(obj, fh)
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="where the final HF model dir goes")
     ap.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help="checkpoints and log (gitignored)")
@@ -350,19 +350,175 @@ def main(argv=None):
     ap.add_argument("--export", default=None, metavar="DIR",
                     help="save the checkpoint in --run-dir as a model directory at DIR and exit (no training): "
                          "look at a run while it trains, e.g. with jobs/eval_embedded.py --model DIR")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def lr_at(args: argparse.Namespace, step: int) -> float:
+    """Linear warm-up, then cosine decay to 5% of --lr at --steps."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def make_optimizer(model, args: argparse.Namespace):
     import torch
 
-    auto_threads = args.threads == "auto" and args.device == "cpu"
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.98))
+
+
+def init_weights_from(model, path: str) -> None:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    sd = Qwen2VLForConditionalGeneration.from_pretrained(path).state_dict()
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise SystemExit(f"--init-from {path}: weights do not fit (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    print(f"initialised from {path}", flush=True)
+
+
+def load_checkpoint(path: Path, model, opt, args: argparse.Namespace, device) -> tuple[int, float]:
+    """Restore model and optimizer from ``path``; (step, seconds trained). The run must be the same recipe."""
+    import torch
+
+    ck = torch.load(path, map_location=device, weights_only=False)  # our own checkpoint, not dataset content
+    made = {k: ck["args"].get(k, "v1" if k == "layout" else None) for k in ("size", "seed", "layout", "steps")}
+    if made != {k: getattr(args, k) for k in made}:
+        raise SystemExit(f"checkpoint {path} was made with {made}; pass the same flags, or --fresh")
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["opt"])
+    print(f"resumed from {path} at step {ck['step']} ({ck['elapsed'] / 60:.1f} min trained)", flush=True)
+    return ck["step"], ck["elapsed"]
+
+
+class Meter:
+    """Running loss, token accuracy and scenes/s between two log lines."""
+
+    def __init__(self):
+        self.loss, self.correct, self.count, self.scenes, self.n = 0.0, 0, 0, 0, 0
+        self.t0 = time.time()
+
+    def add(self, loss, logits, tgt, n_scenes: int) -> None:
+        mask = tgt != -100
+        self.correct += int(((logits.argmax(-1) == tgt) & mask).sum())
+        self.count += int(mask.sum())
+        self.loss += float(loss)
+        self.n += 1
+        self.scenes += n_scenes
+
+    def line(self) -> str:
+        rate = self.scenes / max(time.time() - self.t0, 1e-9)
+        return (f"loss {self.loss / max(1, self.n):.4f} tok_acc {self.correct / max(1, self.count):.4f} "
+                f"scenes/s {rate:.1f}")
+
+
+class Trainer:
+    """The training loop over ``make_batch``'s deterministic batches, with checkpoints and a clean stop on
+    SIGTERM/SIGINT (finish the step, checkpoint, exit; the same command resumes)."""
+
+    def __init__(self, args, model, opt, builder, ckpt_path: Path, step: int, elapsed_before: float):
+        self.args, self.model, self.opt, self.builder = args, model, opt, builder
+        self.ckpt_path, self.step, self.elapsed_before = ckpt_path, step, elapsed_before
+        self.start_step, self.t_start = step, time.time()
+        self.device = next(model.parameters()).device
+        self.auto_threads = args.threads == "auto" and args.device == "cpu"
+        self.stop_signal = None
+
+    def checkpoint(self) -> None:
+        _atomic_torch_save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                            "elapsed": self.elapsed_before + time.time() - self.t_start, "args": vars(self.args)},
+                           self.ckpt_path)
+
+    def adapt_threads(self) -> None:
+        import torch
+
+        if self.auto_threads and hasattr(os, "getloadavg"):
+            busy = os.getloadavg()[0] - torch.get_num_threads()  # load from other processes
+            torch.set_num_threads((os.cpu_count() or 1) if busy < 0.5 else 1)
+
+    def train_step(self, meter: Meter) -> None:
+        import torch
+
+        args = self.args
+        _, batch = make_batch(self.builder, args.seed, self.step, args.steps, args.batch_scale, args.layout)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(args, self.step)
+        labels = batch.pop("labels")
+        logits = self.model(**batch).logits[:, :-1].float()
+        tgt = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                                                 ignore_index=-100)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.step += 1
+        with torch.no_grad():
+            meter.add(loss, logits, tgt, batch["input_ids"].shape[0])
+
+    def log(self, meter: Meter) -> None:
+        import torch
+
+        done = time.time() - self.t_start
+        per_step = done / max(1, self.step - self.start_step)
+        print(f"step {self.step}/{self.args.steps} {meter.line()} lr {lr_at(self.args, self.step):.2e} "
+              f"thr {torch.get_num_threads()} elapsed {(self.elapsed_before + done) / 60:.1f} min "
+              f"ETA {per_step * (self.args.steps - self.step) / 60:.1f} min", flush=True)
+
+    def should_stop(self) -> str | None:
+        """Why the loop stops before this step, or None. A signal or --stop-after checkpoints first."""
+        args = self.args
+        if self.stop_signal is not None:
+            self.checkpoint()
+            return f"signal {self.stop_signal}: checkpointed at step {self.step}; run the same command to resume"
+        if args.stop_after is not None and self.step - self.start_step >= args.stop_after:
+            self.checkpoint()
+            return f"--stop-after {args.stop_after}: checkpointed at step {self.step}"
+        if args.minutes is not None and time.time() - self.t_start > args.minutes * 60:
+            return f"--minutes {args.minutes} reached at step {self.step}"
+        return None
+
+    def run(self) -> bool:
+        """Train to --steps (True) or stop early (False for a signal or --stop-after: no final save)."""
+        import signal
+
+        def on_signal(signum, frame):
+            self.stop_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        self.model.train()
+        meter, last_ckpt = Meter(), time.time()
+        while self.step < self.args.steps:
+            why = self.should_stop()
+            if why:
+                print(why, flush=True)
+                if why.startswith("--minutes"):
+                    break
+                return False
+            self.train_step(meter)
+            if self.step % 25 == 0:
+                self.adapt_threads()
+            if self.step % 25 == 0 or self.step == self.args.steps:
+                self.log(meter)
+                meter = Meter()
+            if time.time() - last_ckpt > self.args.ckpt_minutes * 60:
+                self.checkpoint()
+                last_ckpt = time.time()
+        self.checkpoint()
+        return True
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
     if args.threads != "auto":
         torch.set_num_threads(int(args.threads))
-
-    def adapt_threads():
-        if auto_threads and hasattr(os, "getloadavg"):
-            ncpu = os.cpu_count() or 1
-            busy = os.getloadavg()[0] - torch.get_num_threads()  # load from other processes
-            torch.set_num_threads(ncpu if busy < 0.5 else 1)
     device = torch.device(args.device)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -372,38 +528,12 @@ def main(argv=None):
     processor = build_processor(tok)
     model = build_model(tok, args.size, seed=args.seed).to(device)
     if args.init_from:
-        from transformers import Qwen2VLForConditionalGeneration
-
-        sd = Qwen2VLForConditionalGeneration.from_pretrained(args.init_from).state_dict()
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-        if missing or unexpected:
-            raise SystemExit(f"--init-from {args.init_from}: weights do not fit (missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]})")
-        print(f"initialised from {args.init_from}", flush=True)
+        init_weights_from(model, args.init_from)
     n_params = sum(p.numel() for p in model.parameters())
-    builder = BatchBuilder(processor)
-
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98))
-
-    def lr_at(step):
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        frac = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
+    opt = make_optimizer(model, args)
     step, elapsed_before = 0, 0.0
     if ckpt_path.exists() and not args.fresh:
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        made = {k: ck["args"].get(k, "v1" if k == "layout" else None) for k in ("size", "seed", "layout", "steps")}
-        if made != {k: getattr(args, k) for k in made}:
-            raise SystemExit(f"checkpoint {ckpt_path} was made with {made}; pass the same flags, or --fresh")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
-        step, elapsed_before = ck["step"], ck["elapsed"]
-        print(f"resumed from {ckpt_path} at step {step} ({elapsed_before / 60:.1f} min trained)", flush=True)
+        step, elapsed_before = load_checkpoint(ckpt_path, model, opt, args, device)
     if args.export:
         if not ckpt_path.exists():
             raise SystemExit(f"--export: no checkpoint at {ckpt_path} (check --run-dir)")
@@ -414,86 +544,16 @@ def main(argv=None):
     print(f"model: {n_params / 1e6:.2f} M params ({n_params * 4 / 2**20:.1f} MB fp32), device {device}, "
           f"threads {torch.get_num_threads()}, steps {args.steps}", flush=True)
 
-    t_start = time.time()
-    start_step = step
-    last_ckpt = time.time()
-    meter = {"loss": 0.0, "correct": 0, "count": 0, "scenes": 0, "n": 0}
-    meter_t = time.time()
-    model.train()
-
-    def checkpoint():
-        _atomic_torch_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                            "elapsed": elapsed_before + time.time() - t_start, "args": vars(args)}, ckpt_path)
-
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):  # SIGTERM/SIGINT: finish the step, checkpoint, exit; rerun to resume
-        stop["signal"] = signum
-
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-
-    while step < args.steps:
-        if stop["signal"] is not None:
-            checkpoint()
-            print(f"signal {stop['signal']}: checkpointed at step {step}; run the same command to resume", flush=True)
-            return
-        if args.stop_after is not None and step - start_step >= args.stop_after:
-            checkpoint()
-            print(f"--stop-after {args.stop_after}: checkpointed at step {step}", flush=True)
-            return
-        if args.minutes is not None and time.time() - t_start > args.minutes * 60:
-            print(f"--minutes {args.minutes} reached at step {step}", flush=True)
-            break
-        task, batch = make_batch(builder, args.seed, step, args.steps, args.batch_scale, args.layout)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        labels = batch.pop("labels")
-        out = model(**batch)
-        logits = out.logits[:, :-1].float()
-        tgt = labels[:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                                                 ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        with torch.no_grad():
-            mask = tgt != -100
-            meter["correct"] += int(((logits.argmax(-1) == tgt) & mask).sum())
-            meter["count"] += int(mask.sum())
-            meter["loss"] += float(loss)
-            meter["n"] += 1
-            meter["scenes"] += batch["input_ids"].shape[0]
-        if step % 25 == 0:
-            adapt_threads()
-        if step % 25 == 0 or step == args.steps:
-            dt = time.time() - meter_t
-            done = time.time() - t_start
-            rate = meter["scenes"] / max(dt, 1e-9)
-            sps = (time.time() - t_start) / max(1, step - start_step)
-            print(f"step {step}/{args.steps} loss {meter['loss'] / meter['n']:.4f} "
-                  f"tok_acc {meter['correct'] / max(1, meter['count']):.4f} scenes/s {rate:.1f} "
-                  f"lr {lr_at(step):.2e} thr {torch.get_num_threads()} elapsed {(elapsed_before + done) / 60:.1f} min "
-                  f"ETA {sps * (args.steps - step) / 60:.1f} min", flush=True)
-            meter = {"loss": 0.0, "correct": 0, "count": 0, "scenes": 0, "n": 0}
-            meter_t = time.time()
-        if time.time() - last_ckpt > args.ckpt_minutes * 60:
-            checkpoint()
-            last_ckpt = time.time()
-
-    checkpoint()
-    total = elapsed_before + time.time() - t_start
+    trainer = Trainer(args, model, opt, BatchBuilder(processor), ckpt_path, step, elapsed_before)
+    if not trainer.run():
+        return
+    total = elapsed_before + time.time() - trainer.t_start
     model.eval()
     save_assets(model.to("cpu").float(), processor, Path(args.out))
     (run_dir / "train_summary.json").write_text(json.dumps(
-        {"steps": step, "train_minutes": total / 60, "params": n_params, "out": str(args.out),
+        {"steps": trainer.step, "train_minutes": total / 60, "params": n_params, "out": str(args.out),
          "args": vars(args)}, indent=2))
-    print(f"saved {args.out} after {step} steps, {total / 60:.1f} min of training", flush=True)
+    print(f"saved {args.out} after {trainer.step} steps, {total / 60:.1f} min of training", flush=True)
 
 
 if __name__ == "__main__":

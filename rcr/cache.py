@@ -24,6 +24,9 @@ class PrefixLayer:
     keys: torch.Tensor  # (B, Hkv, N, d), post-RoPE
     values: torch.Tensor  # (B, Hkv, N, d)
     window_queries: torch.Tensor  # (B, Hq, W, d), post-RoPE queries of the last W prompt tokens
+    # the layer's own attention window (Gemma 3's local layers): such a layer is never re-selected and keeps
+    # every prefix entry, attending within the window (docs/models.md). None: a global layer
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -58,8 +61,7 @@ class PrefixStore:
                 t = t.to("cpu").contiguous()
                 return t.pin_memory() if pin else t
 
-            layers = [PrefixLayer(keys=host(pl.keys), values=host(pl.values), window_queries=pl.window_queries)
-                      for pl in self.layers]
+            layers = [dataclasses.replace(pl, keys=host(pl.keys), values=host(pl.values)) for pl in self.layers]
             self._host = dataclasses.replace(self, layers=layers, offloaded=True, _host=None)
         return self._host
 

@@ -7,6 +7,7 @@ import torch
 
 import rcr
 import tiny_models
+from rcr.models import geometry
 from conftest import ALL_METHODS
 
 BIG = rcr.RCRConfig(selected=4096, candidates=4096, window=8)  # budget >= any test prefix
@@ -30,8 +31,12 @@ def test_every_method_equals_full_with_budget_over_prefix(family, prompt_words):
     assert torch.equal(full, hf_greedy(model, inputs, N_NEW)), f"{name}: full != transformers generate"
     for label in ALL_METHODS:
         assert torch.equal(res[label].sequences, full), f"{name}/{label} diverged from full"
-    # the re-selecting methods really ran their decision at every layer-step
-    assert (res["exact"].telemetry.trigger == 1).all()
+    # the re-selecting methods really ran their decision at every layer-step of every global layer, and never on
+    # a sliding-window layer (those keep their whole prefix and attend within their window)
+    treated = torch.tensor(geometry(model).treated)
+    trigger = torch.from_numpy(res["exact"].telemetry.trigger)  # (B, L, T)
+    assert treated.any()
+    assert (trigger[:, treated] == 1).all() and (trigger[:, ~treated] == 0).all()
 
 
 def test_compressed_methods_differ_from_full_with_small_budget():

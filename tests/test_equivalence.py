@@ -7,6 +7,7 @@ import torch
 
 import rcr
 import tiny_models
+from rcr.generate import build_cache
 from rcr.models import geometry
 from conftest import ALL_METHODS
 
@@ -47,4 +48,22 @@ def test_compressed_methods_differ_from_full_with_small_budget():
     res = rcr.generate(model, inputs, method=["full", "bacon", "exact"], max_new_tokens=N_NEW, config=cfg,
                        ignore_eos=True)
     assert not torch.equal(res["bacon"].sequences, res["full"].sequences)
+    assert not torch.equal(res["exact"].sequences, res["full"].sequences)
+
+
+def test_sliding_window_layers_keep_their_whole_prefix_and_global_layers_are_compressed():
+    """Gemma 3 at a small budget: the local (sliding-window) layer holds every prefix entry and makes no decision;
+    the global layer holds `selected` entries and re-selects them."""
+    model, proc = tiny_models.gemma3()
+    inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
+    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
+    prefix = rcr.prefill(model, inputs, cfg)
+    windows = [pl.sliding_window for pl in prefix.layers]
+    assert windows == [tiny_models.GEMMA_SLIDING_WINDOW, None]
+    assert prefix.n_prefix > tiny_models.GEMMA_SLIDING_WINDOW  # the window really drops prefix entries
+    cache = build_cache(rcr.parse_method("exact", cfg), prefix, N_NEW)
+    assert cache.layers[0].n_selected == prefix.n_prefix and cache.layers[1].n_selected == 4
+    res = rcr.generate(model, inputs, method=["full", "exact"], max_new_tokens=N_NEW, config=cfg, ignore_eos=True)
+    trigger = res["exact"].telemetry.trigger  # (B, L, T)
+    assert (trigger[:, 0] == 0).all() and (trigger[:, 1] == 1).all()
     assert not torch.equal(res["exact"].sequences, res["full"].sequences)

@@ -50,8 +50,10 @@ def geometry(model) -> Geometry:
     if getattr(attn, "attn_logit_softcapping", None) is not None:  # the "rcr" attention has no soft-capping
         raise ValueError(f"model_type={model.config.model_type!r}: attention logit soft-capping "
                          f"({attn.attn_logit_softcapping}) is not supported")
-    # the window transformers passes to the attention function (None on global layers)
-    windows = tuple(getattr(layer.self_attn, "sliding_window", None) for layer in layers)
+    # the window transformers passes to the attention function (None on global layers): the module's own
+    # attribute where it has one (per layer type: Gemma 3, Qwen2), else the config's for every layer (Mistral)
+    windows = tuple(layer.self_attn.sliding_window if hasattr(layer.self_attn, "sliding_window")
+                    else getattr(cfg, "sliding_window", None) for layer in layers)
     return Geometry(n_layers=len(layers), n_q_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
                     head_dim=attn.head_dim, scaling=float(attn.scaling), sliding_windows=windows)
 

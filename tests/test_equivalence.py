@@ -8,7 +8,7 @@ import torch
 import rcr
 import tiny_models
 from rcr.generate import build_cache
-from rcr.models import geometry
+from rcr.models import build_inputs, geometry
 from conftest import ALL_METHODS
 
 BIG = rcr.RCRConfig(selected=4096, candidates=4096, window=8)  # budget >= any test prefix
@@ -40,6 +40,21 @@ def test_every_method_equals_full_with_budget_over_prefix(family, prompt_words):
     assert (trigger[:, treated] == 1).all() and (trigger[:, ~treated] == 0).all()
 
 
+def test_video_every_method_equals_full_and_transformers(family):
+    """Video positions (Qwen's temporal M-RoPE rows, Qwen2.5-VL's frame spacing) on a left-padded batch of 2."""
+    name, model, proc = family
+    if getattr(proc, "video_processor", None) is None:
+        pytest.skip(f"{name}: image-only family")
+    frames = [[tiny_models.random_image(10 * b + i, 56) for i in range(4)] for b in range(2)]
+    inputs = build_inputs(proc, [tiny_models.random_prompt(0, 4), tiny_models.random_prompt(1, 11)], frames,
+                          video=True)
+    assert not inputs["attention_mask"].bool().all()
+    res = rcr.generate(model, inputs, method=ALL_METHODS, max_new_tokens=6, config=BIG, ignore_eos=True)
+    assert torch.equal(res["full"].sequences, hf_greedy(model, inputs, 6)), f"{name}: full != transformers generate"
+    for label in ALL_METHODS:
+        assert torch.equal(res[label].sequences, res["full"].sequences), f"{name}/{label} diverged from full"
+
+
 def test_compressed_methods_differ_from_full_with_small_budget():
     """The converse: at a small budget the cache really is compressed (otherwise the test above is vacuous)."""
     model, proc = tiny_models.qwen2_vl()
@@ -67,3 +82,22 @@ def test_sliding_window_layers_keep_their_whole_prefix_and_global_layers_are_com
     trigger = res["exact"].telemetry.trigger  # (B, L, T)
     assert (trigger[:, 0] == 0).all() and (trigger[:, 1] == 1).all()
     assert not torch.equal(res["exact"].sequences, res["full"].sequences)
+
+
+def test_a_window_from_the_config_applies_to_every_layer():
+    """Mistral passes its config's `sliding_window` to every layer (no per-layer attribute): with a window shorter
+    than the prompt, every layer is windowed, none is re-selected, and `full` still equals transformers."""
+    from transformers import LlavaNextForConditionalGeneration
+
+    base, proc = tiny_models.llava_next()
+    cfg = base.config.__class__.from_dict(base.config.to_dict())
+    cfg.text_config.sliding_window = 12
+    model = LlavaNextForConditionalGeneration(cfg).eval()
+    model.load_state_dict(base.state_dict())
+    assert geometry(model).sliding_windows == (12,) * cfg.text_config.num_hidden_layers
+    inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
+    res = rcr.generate(model, inputs, method=["full", "exact"], max_new_tokens=N_NEW, config=BIG, ignore_eos=True)
+    ref = hf_greedy(model, inputs, N_NEW)
+    assert torch.equal(res["full"].sequences, ref) and torch.equal(res["exact"].sequences, ref)
+    assert not torch.equal(ref, hf_greedy(base, inputs, N_NEW))  # the window changed the answer
+    assert (res["exact"].telemetry.trigger == 0).all()

@@ -19,10 +19,19 @@ WORDS = [f"w{i}" for i in range(96)]
 QWEN_SPECIAL = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} "
-    "{% for c in m['content'] %}{% if c['type'] == 'image' %}{IMAGE}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}{IMAGE}{% elif c['type'] == 'video' %}{VIDEO}"
     "{% else %}{{ c['text'] }} {% endif %}{% endfor %}<|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
 )
+
+
+def chat_template(image: str, video: str = "") -> str:
+    """The tests' chat template with the family's image (and video) placeholder text."""
+    return CHAT_TEMPLATE.replace("{IMAGE}", image).replace("{VIDEO}", video)
+
+
+QWEN_TEMPLATE = chat_template("<|vision_start|> <|image_pad|> <|vision_end|> ",
+                              "<|vision_start|> <|video_pad|> <|vision_end|> ")
 
 
 def _tokenizer(extra: list[str], special: dict[str, str]) -> PreTrainedTokenizerFast:
@@ -83,8 +92,7 @@ def qwen2_vl(seed: int = 0):
     model = Qwen2VLForConditionalGeneration(cfg).eval()
     ip = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=448 * 448)
     proc = Qwen2VLProcessor(image_processor=ip, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
-                            chat_template=CHAT_TEMPLATE.replace(
-                                "{IMAGE}", "<|vision_start|> <|image_pad|> <|vision_end|> "))
+                            chat_template=QWEN_TEMPLATE)
     return model, proc
 
 
@@ -113,8 +121,7 @@ def qwen3_vl(seed: int = 0):
     ip = Qwen2VLImageProcessor(min_pixels=64 * 64, max_pixels=512 * 512, patch_size=16,
                                image_mean=[0.5] * 3, image_std=[0.5] * 3)
     proc = Qwen3VLProcessor(image_processor=ip, tokenizer=tok, video_processor=Qwen3VLVideoProcessor(),
-                            chat_template=CHAT_TEMPLATE.replace(
-                                "{IMAGE}", "<|vision_start|> <|image_pad|> <|vision_end|> "))
+                            chat_template=QWEN_TEMPLATE)
     return model, proc
 
 
@@ -139,7 +146,7 @@ def llava_next(seed: int = 0):
                                  image_grid_pinpoints=[[56, 56], [56, 112]])
     proc = LlavaNextProcessor(image_processor=ip, tokenizer=tok, patch_size=14, num_additional_image_tokens=1,
                               vision_feature_select_strategy="default",
-                              chat_template=CHAT_TEMPLATE.replace("{IMAGE}", "<image> "))
+                              chat_template=chat_template("<image> "))
     return model, proc
 
 
@@ -159,7 +166,6 @@ def _qwen_ids(tok) -> dict:
                 vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"), **_ids(tok))
 
 
-QWEN_TEMPLATE = CHAT_TEMPLATE.replace("{IMAGE}", "<|vision_start|> <|image_pad|> <|vision_end|> ")
 MROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}  # sums to head_dim / 2
 
 
@@ -228,9 +234,10 @@ def llava_onevision(seed: int = 0):
     torch.manual_seed(seed)
     model = LlavaOnevisionForConditionalGeneration(cfg).eval()
     ip = LlavaOnevisionImageProcessor(size={"height": 28, "width": 28}, image_grid_pinpoints=[[28, 28], [28, 56]])
-    proc = LlavaOnevisionProcessor(image_processor=ip, tokenizer=tok, video_processor=LlavaOnevisionVideoProcessor(),
+    vp = LlavaOnevisionVideoProcessor(size={"height": 28, "width": 28})
+    proc = LlavaOnevisionProcessor(image_processor=ip, tokenizer=tok, video_processor=vp,
                                    num_image_tokens=4, vision_feature_select_strategy="full",
-                                   chat_template=CHAT_TEMPLATE.replace("{IMAGE}", "<image> "))
+                                   chat_template=chat_template("<image> ", "<video> "))
     return model, proc
 
 
@@ -250,8 +257,9 @@ def internvl(seed: int = 0):
     torch.manual_seed(seed)
     model = InternVLForConditionalGeneration(cfg).eval()
     ip = GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=False)
-    proc = InternVLProcessor(image_processor=ip, tokenizer=tok, video_processor=InternVLVideoProcessor(),
-                             image_seq_length=4, chat_template=CHAT_TEMPLATE.replace("{IMAGE}", "<IMG_CONTEXT> "))
+    vp = InternVLVideoProcessor(size={"height": 56, "width": 56})
+    proc = InternVLProcessor(image_processor=ip, tokenizer=tok, video_processor=vp,
+                             image_seq_length=4, chat_template=chat_template("<IMG_CONTEXT> ", "<video> "))
     return model, proc
 
 
@@ -281,7 +289,7 @@ def gemma3(seed: int = 0):
     model = Gemma3ForConditionalGeneration(cfg).eval()
     ip = Gemma3ImageProcessor(size={"height": 56, "width": 56})
     proc = Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=4,
-                           chat_template=CHAT_TEMPLATE.replace("{IMAGE}", "<start_of_image> "))
+                           chat_template=chat_template("<start_of_image> "))
     return model, proc
 
 
@@ -299,7 +307,7 @@ def llava(seed: int = 0):
     ip = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     proc = LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, num_additional_image_tokens=1,
                           vision_feature_select_strategy="default",
-                          chat_template=CHAT_TEMPLATE.replace("{IMAGE}", "<image> "))
+                          chat_template=chat_template("<image> "))
     return model, proc
 
 

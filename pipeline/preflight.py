@@ -138,8 +138,8 @@ def check_processor(model: str, path: str, task: str, trust_remote_code: bool = 
     try:
         processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any reason the loader would fail in every actor
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise PreflightError("model", model, f"its processor does not load ({type(e).__name__}: {reason[:200]}); "
+        reason = str(e).strip().split("\n")[0].split(". ")[0].rstrip(".")  # the first sentence: one line
+        raise PreflightError("model", model, f"its processor does not load ({type(e).__name__}: {reason[:160]}); "
                                              "the directory needs the processor and tokenizer files "
                                              "(save them with processor.save_pretrained)") from None
     finally:

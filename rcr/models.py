@@ -2,10 +2,9 @@
 
 Families (by ``model_type``): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE use M-RoPE (three position rows,
 from the model's own ``get_rope_index``); LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL and Gemma 3 use 1-D
-positions (``cumsum`` of the attention mask). A layer whose attention module has a ``sliding_window`` (Gemma 3's
-local layers) is reported in :class:`Geometry` and is never re-selected: it keeps every prefix entry and
-attends within its own window, as transformers does (docs/models.md). Everything else in ``rcr`` is
-family-agnostic.
+positions (``cumsum`` of the attention mask). A layer with a sliding window (Gemma 3's local layers) is
+reported in :class:`Geometry` and is never re-selected: it keeps every prefix entry and attends within its own
+window, as transformers does (docs/models.md). Everything else in ``rcr`` is family-agnostic.
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-# No test may reach the Hub; set before transformers/huggingface_hub read it at import. Subprocesses inherit it.
-os.environ["HF_HUB_OFFLINE"] = "1"
 
 import rcr  # noqa: E402
 import tiny_models  # noqa: E402

@@ -1,4 +1,4 @@
-"""The driver's pre-flight (pipeline/preflight.py) on local fixtures, offline (HF_HUB_OFFLINE=1, set in conftest):
+"""The driver's pre-flight (pipeline/preflight.py) on local fixtures, offline (HF_HUB_OFFLINE=1):
 a saved checkpoint of every family passes and loads; each failure is one line naming the flag, exit code 2,
 and the job entry point stops before Ray starts."""
 
@@ -51,8 +51,12 @@ def hub_cache(root, repo_id: str, files_from) -> str:
     return str(root)
 
 
-def test_the_tests_run_offline():
-    assert os.environ["HF_HUB_OFFLINE"] == "1" and huggingface_hub.is_offline_mode()
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """HF_HUB_OFFLINE=1 for this module (huggingface_hub reads the variable once, at import)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert huggingface_hub.is_offline_mode()
 
 
 def test_every_family_saved_as_a_checkpoint_passes_and_loads(family, saved):
@@ -81,8 +85,7 @@ def test_a_hub_id_in_the_local_cache_resolves_to_its_snapshot(saved, tmp_path):
     preflight.check_processor("acme/tiny-vlm", path, "video")  # Qwen2.5-VL takes video
 
 
-def test_a_hub_id_not_in_the_cache_while_offline_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+def test_a_hub_id_not_in_the_cache_while_offline_is_one_line(tmp_path):
     (tmp_path / "hub").mkdir()
     with pytest.raises(PreflightError) as e:
         preflight.resolve_model("acme/absent-vlm", cache_dir=str(tmp_path / "hub"))

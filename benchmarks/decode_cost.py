@@ -55,7 +55,8 @@ MODEL_METHODS = ["full", "bacon", "exact", "rcr", "quest"]
 
 def load_line() -> str:
     one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs; torch threads {torch.get_num_threads()}"
+    return (f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs; "
+            f"torch threads {torch.get_num_threads()}")
 
 
 def random_prefix(n_layers: int, n_prompt: int, cfg: RCRConfig, device, dtype, vocab: int = 8,
@@ -149,7 +150,7 @@ def layer_mode(args, device, dtype, sync) -> None:
 def embedded_model(args, device, dtype):
     from PIL import Image
 
-    from pipeline import synthetic as S
+    from pipeline.data import synthetic as S
 
     model, processor = rcr.models.load(args.model, device=device, dtype=dtype)
     frames, _ = S.render("detailcaps", S.HELDOUT_SEED, 0)

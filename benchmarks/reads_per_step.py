@@ -32,9 +32,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import rcr
-from pipeline.schema import telemetry_summary
-from rcr.models import PROMPTS, build_inputs, geometry
+import rcr  # noqa: E402
+from pipeline.schema import telemetry_summary  # noqa: E402
+from rcr.models import PROMPTS, build_inputs, geometry  # noqa: E402
 
 METHODS = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen"]
 OFFLOAD = ["fixed", "rcr", "rcr_layer"]

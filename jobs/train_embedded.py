@@ -14,7 +14,7 @@ run that is interrupted and resumed from its last checkpoint (written every --ck
 --run-dir, atomically) sees exactly the batches it would have seen.
 
 The training batches are built with a numpy re-implementation of the processor's patchification
-(``patchify``); tests/test_embedded_model.py checks that it equals the saved processor's output.
+(``patchify``); tests/integration/test_embedded_model.py checks that it equals the saved processor's output.
 """
 
 from __future__ import annotations

@@ -124,16 +124,19 @@ def iter_input_rows(path: str | os.PathLike, require_complete: bool = True):
 
 # ------------------------------------------------------------------------------------------- synthetic
 def _synthetic_chunk(args):
-    task, seed, start, stop = args
-    return [synthetic.make_record(task, seed, i) for i in range(start, stop)]
+    task, seed, start, stop, layout = args
+    return [synthetic.make_record(task, seed, i, layout=layout) for i in range(start, stop)]
 
 
-def synthetic_records(task: str, n: int, seed: int = 0, workers: int = 1, chunk: int = 64):
-    """Records ``0..n-1`` of the synthetic ``task`` in order; identical for any ``workers``."""
+def synthetic_records(task: str, n: int, seed: int = 0, workers: int = 1, chunk: int = 64,
+                      layout: str | None = None):
+    """Records ``0..n-1`` of the synthetic ``task`` in order; identical for any ``workers``. ``layout``: the
+    scene layout, default ``synthetic.DEFAULT_LAYOUT`` (the shipped model's)."""
     synthetic.check_task(task)
     if n < 0:
         raise synthetic.SyntheticError(f"n must be >= 0, got {n}")
-    jobs = [(task, seed, s, min(n, s + chunk)) for s in range(0, n, chunk)]
+    layout = synthetic.get_layout(layout or synthetic.DEFAULT_LAYOUT).name
+    jobs = [(task, seed, s, min(n, s + chunk), layout) for s in range(0, n, chunk)]
     if workers <= 1:
         for j in jobs:
             yield from _synthetic_chunk(j)
@@ -144,10 +147,11 @@ def synthetic_records(task: str, n: int, seed: int = 0, workers: int = 1, chunk:
 
 
 def write_synthetic(out_dir: str | os.PathLike, task: str, n: int, seed: int = 0, shard_size: int = 256,
-                    workers: int = 1) -> list[Path]:
+                    workers: int = 1, layout: str | None = None) -> list[Path]:
     """Generate ``n`` synthetic samples of ``task`` into Parquet shards under ``out_dir``."""
-    return write_shards(synthetic_records(task, n, seed, workers), out_dir, shard_size, prefix=task,
-                        extra={"task": task, "seed": seed, "source": "synthetic"})
+    layout = synthetic.get_layout(layout or synthetic.DEFAULT_LAYOUT).name
+    return write_shards(synthetic_records(task, n, seed, workers, layout=layout), out_dir, shard_size, prefix=task,
+                        extra={"task": task, "seed": seed, "source": "synthetic", "layout": layout})
 
 
 # default sizes of the embedded job's synthetic shards (the paper's sample counts for the real datasets)
@@ -155,11 +159,11 @@ EMBEDDED_SIZES = {"detailcaps": 300, "textcaps": 500, "video": 100}
 
 
 def write_synthetic_shards(task: str, out_dir: str | os.PathLike, n: int | None = None, seed: int | None = None,
-                           shard_size: int = 256, workers: int = 1) -> list[Path]:
+                           shard_size: int = 256, workers: int = 1, layout: str | None = None) -> list[Path]:
     """The embedded default's shards: held-out synthetic samples (seed ``synthetic.HELDOUT_SEED``, never
     seen in training) of ``task``; ``n`` defaults to ``EMBEDDED_SIZES[task]``."""
     synthetic.check_task(task)
     n = EMBEDDED_SIZES[task] if n is None else n
     seed = synthetic.HELDOUT_SEED if seed is None else seed
-    return write_synthetic(out_dir, task, n, seed, shard_size, workers)
+    return write_synthetic(out_dir, task, n, seed, shard_size, workers, layout)
 

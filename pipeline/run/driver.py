@@ -32,7 +32,7 @@ import pyarrow as pa
 from pipeline import preflight
 from pipeline.analysis import report, tracking
 from pipeline.analysis.analyze import analyze
-from pipeline.data import shards
+from pipeline.data import shards, synthetic
 from pipeline.run.actor import METHODS_COLUMN, SampleEvaluator
 from pipeline.run.config import (
     EMBEDDED,
@@ -68,16 +68,19 @@ def embedded_shards(task: str) -> list[str]:
     shipped = REPO_ROOT / "assets" / "embedded" / "shards" / task
     if shipped.is_dir() and any(shipped.glob("*.parquet")):
         return [str(shipped)]
-    cache = Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve() / "shards" / task
+    # keyed on the scene layout: shards cached for an earlier embedded model's layout are never reused
+    runs = Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve()
+    layout = synthetic.DEFAULT_LAYOUT
+    cache = runs / "shards" / layout / task
     if not (cache / shards.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
-        write_embedded_shards(task, cache)
+        write_embedded_shards(task, cache, layout=layout)
     return [str(cache)]
 
 
-def write_embedded_shards(task: str, out_dir: Path, n: int | None = None) -> None:
+def write_embedded_shards(task: str, out_dir: Path, n: int | None = None, layout: str | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     say(f"writing the embedded synthetic {task} shards to {out_dir}")
-    shards.write_synthetic_shards(task=task, out_dir=str(out_dir), n=n)
+    shards.write_synthetic_shards(task=task, out_dir=str(out_dir), n=n, layout=layout)
 
 
 def plan_job(cfg: JobConfig, store: OutputStore) -> tuple[list[str], Plan]:

@@ -100,10 +100,8 @@ class RCR(Method):
 
         # 2. trigger against this sample's threshold
         tau = self.current_tau(st, ctx.layer).clone()  # the threshold of this step: update_tau works in place
-        if cfg.controller_signal == "heads":
-            trigger = drift_h > tau.unsqueeze(-1)  # (B, Hkv): per-head refresh
-        else:
-            trigger = drift > tau  # (B,): one decision per layer
+        # "heads": (B, Hkv), a refresh per KV head; otherwise (B,), one decision per layer
+        trigger = drift_h > tau.unsqueeze(-1) if cfg.controller_signal == "heads" else drift > tau
 
         # controller: f is the layer's realised refresh (fraction of KV heads in "heads" mode)
         f = trigger.float().mean(-1) if trigger.dim() == 2 else trigger.float()

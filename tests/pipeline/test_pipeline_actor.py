@@ -98,6 +98,25 @@ def test_embedded_shards_are_generated_once(tmp_path, monkeypatch):
     assert [f.stat().st_mtime_ns for f in files] == mtimes
 
 
+def test_embedded_shards_follow_the_model_layout(tmp_path, monkeypatch):
+    """A new embedded model (a new scene layout) gets its own shards: the cached ones of the old layout are
+    never reused."""
+    from pipeline import data
+    from pipeline.data import synthetic
+    from pipeline.run import driver as run
+
+    monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path))
+    monkeypatch.setitem(data.EMBEDDED_SIZES, "detailcaps", 2)
+    monkeypatch.setattr(run, "REPO_ROOT", tmp_path / "no-repo")
+    dirs = {}
+    for layout in ("v1", "v2"):
+        monkeypatch.setattr(synthetic, "DEFAULT_LAYOUT", layout)
+        (dirs[layout],) = run.embedded_shards("detailcaps")
+        ids = pa.parquet.read_table(dirs[layout], columns=["sample_id"]).column(0).to_pylist()
+        assert all(("v2-" in i) == (layout == "v2") for i in ids), ids
+    assert dirs["v1"] != dirs["v2"]
+
+
 def test_offload_bytes_reach_the_output_rows(tmp_path):
     """The real engine on the embedded model with ``offload=true``: drift-triggered methods report the
     host-to-device bytes they moved; a method that reads nothing from the host reports 0."""

@@ -215,8 +215,8 @@ def _pool_ref(x, k=5):
 
 
 def bacon_reference(qs, ks, capacity, w):
-    """BACON (docs/algorithms.md, "bacon") written directly in numpy float64, layer by layer. Returns the top-`capacity` index set per
-    layer and KV head."""
+    """BACON (docs/algorithms.md, "bacon") written directly in numpy float64, layer by layer. Returns the
+    top-`capacity` index set per layer and KV head."""
     out, E_hist = [], []
     for q, k in zip(qs, ks):
         hq, _, d = q.shape

@@ -36,10 +36,7 @@ def _logits(qg, keys, scaling):
 def _reduce_heads(lg, valid, how):
     mask = valid.unsqueeze(2)
     lg = lg.masked_fill(~mask, NEG_INF)
-    if how == "mean_prob":
-        scores = torch.softmax(lg, dim=-1).nan_to_num(0.0).mean(dim=2)
-    else:
-        scores = lg.max(dim=2).values
+    scores = torch.softmax(lg, dim=-1).nan_to_num(0.0).mean(dim=2) if how == "mean_prob" else lg.max(dim=2).values
     return scores.masked_fill(~valid.expand_as(scores), NEG_INF)
 
 

@@ -9,6 +9,8 @@ Steps:
 
 1. Resolve the shards and check each one's schema against ``INPUT_SCHEMA`` (an error names the column).
    Read only their ``sample_id`` column to list the rows in scope (``limit`` = the first N rows).
+   Pre-flight (``pipeline/preflight.py``): the model resolves, is a supported family and its processor loads,
+   and ``--device cuda`` has a GPU; a failure is one line naming the flag, exit code 2, before Ray starts.
 2. Resume: read the keys already in the output directory (only rows of the same config hash count; a
    directory holding another config's rows is refused). Plan the missing (sample, method) pairs.
 3. Rows the driver can reject on their own (a duplicate or missing sample_id) become error rows here.

@@ -35,12 +35,17 @@ AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor | None,
-           scaling: float, causal_tail: int = 0) -> torch.Tensor:
+           scaling: float, causal_tail: int = 0, sliding_window: int | None = None) -> torch.Tensor:
     """SDPA over resident slots. query (B, Hq, q, d); keys/values (B, Hkv, n, d); slot_valid (B, Hkv, n).
 
     ``causal_tail``: the last ``q`` slots are the queries' own keys and are causally masked (teacher-forced
-    passes); 0 for one-token decode. Returns (B, q, Hq, d), the layout transformers expects.
+    passes); 0 for one-token decode. ``sliding_window`` (with ``causal_tail``): the slots are the whole sequence
+    in position order (a layer that is never re-selected) and query i, at slot n - q + i, sees only slots
+    j > n - q + i - window, as transformers' sliding-window mask; a one-token decode passes the window in
+    ``slot_valid`` instead (``ResidentLayer.in_window``). Returns (B, q, Hq, d), the layout transformers expects.
     """
+    if sliding_window is not None and not causal_tail:
+        raise ValueError("attend: sliding_window needs causal_tail (the queries are the last slots)")
     B, Hq, q, d = query.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
@@ -60,6 +65,11 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_v
         causal = torch.ones(q, n, dtype=torch.bool, device=query.device)
         causal[:, n - q:] = torch.ones(q, q, dtype=torch.bool, device=query.device).tril()
         mask = causal if mask is None else mask & causal
+    if sliding_window is not None:
+        n = keys.shape[2]
+        at = torch.arange(n - q, n, device=query.device).unsqueeze(1)  # (q, 1) the queries' own slots
+        win = torch.arange(n, device=query.device) > at - sliding_window  # (q, n)
+        mask = win if mask is None else mask & win
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
 

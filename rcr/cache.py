@@ -29,6 +29,9 @@ class PrefixLayer:
     keys: torch.Tensor  # (B, Hkv, N, d), post-RoPE
     values: torch.Tensor  # (B, Hkv, N, d)
     window_queries: torch.Tensor  # (B, Hq, W, d), post-RoPE queries of the last W prompt tokens
+    # the layer's own attention window (Gemma 3's local layers): such a layer is never re-selected and keeps
+    # every prefix entry, attending within the window (docs/models.md). None: a global layer
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -63,8 +66,7 @@ class PrefixStore:
                 t = t.to("cpu").contiguous()
                 return t.pin_memory() if pin else t
 
-            layers = [PrefixLayer(keys=host(pl.keys), values=host(pl.values), window_queries=pl.window_queries)
-                      for pl in self.layers]
+            layers = [dataclasses.replace(pl, keys=host(pl.keys), values=host(pl.values)) for pl in self.layers]
             self._host = dataclasses.replace(self, layers=layers, offloaded=True, _host=None)
         return self._host
 
@@ -220,6 +222,14 @@ class ResidentLayer(CacheLayerMixin):
     @property
     def resident_valid(self) -> torch.Tensor:  # (B, Hkv, n_stored)
         return self.slot_valid if self.static else self.slot_valid[:, :, : self.n_stored]
+
+    def in_window(self, window: int) -> torch.Tensor:
+        """(B, Hkv, n) ``resident_valid`` limited to the last ``window`` slots written, the current token's
+        included: a sliding-window layer's slots are its whole sequence in position order (it keeps every prefix
+        entry), so this is transformers' sliding-window mask for the one-token decode (docs/models.md)."""
+        n = self.resident_valid.shape[-1]
+        last = self.write_pos - 1 if self.static else self.n_stored - 1  # the current token's slot
+        return self.resident_valid & (torch.arange(n, device=self.device) > last - window)
 
     def refresh(self, trigger: torch.Tensor, selection: torch.Tensor, keys: torch.Tensor | None = None,
                 values: torch.Tensor | None = None) -> None:

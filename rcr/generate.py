@@ -56,7 +56,8 @@ def prefill(model, inputs, config: RCRConfig | None = None) -> PrefixStore:
         out = model(**inputs, position_ids=position_ids, cache=cache, use_cache=True, rcr_hook=recorder,
                     logits_to_keep=1)
     layers = [PrefixLayer(keys=cache.layers[i].keys, values=cache.layers[i].values,
-                          window_queries=recorder.queries[i]) for i in range(geo.n_layers)]
+                          window_queries=recorder.queries[i], sliding_window=geo.sliding_windows[i])
+              for i in range(geo.n_layers)]
     return PrefixStore(layers=layers, valid=inputs["attention_mask"].bool(), next_position=next_position,
                        first_logits=out.logits[:, -1].float(), window=window, scaling=geo.scaling,
                        n_kv_heads=geo.n_kv_heads, n_q_heads=geo.n_q_heads, head_dim=geo.head_dim)
@@ -84,15 +85,18 @@ class DecodeSession:
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         layer = module.layer_idx
         res = self.cache.layers[layer]
-        if self.exact_stats:
+        window = self.prefix.layers[layer].sliding_window  # a windowed layer keeps its whole prefix: no decision
+        if self.exact_stats and window is None:
             self._record_exact(layer, query, res)
-        if self.decides:
+        if self.decides and window is None:
             d = self.method.decide(StepContext(layer=layer, step=self.step, query=query, resident=res,
                                                prefix=self.method_prefix, state=self.state,
                                                config=self.method.config, reader=self.reader))
             self.method.merge(res, d)
             self.tel.record_decision(layer, self.step, d, self.cost)
         valid = res.resident_valid if self.masked else None
+        if window is not None:  # its slots are the whole sequence in order: the last `window` are visible
+            valid = res.in_window(window)
         return attend(query, res.resident_keys, res.resident_values, valid, scaling), None
 
     def _record_exact(self, layer: int, query: torch.Tensor, res: ResidentLayer) -> None:
@@ -141,8 +145,10 @@ class GenerationResult:
 def build_cache(method: Method, prefix: PrefixStore, max_new_tokens: int,
                 reference_scores: list[torch.Tensor] | None = None, static: bool = False) -> ResidentCache:
     ctx = BuildContext(prefix=prefix, config=method.config, reference_scores=reference_scores)
-    layers = [ResidentLayer(prefix, i, method.initial_selection(ctx, i), max_new_tokens, static)
-              for i in range(len(prefix.layers))]  # in layer order: BACON's trace reads earlier layers
+    whole = Full(config=method.config)  # a windowed layer keeps every prefix entry (docs/models.md)
+    layers = [ResidentLayer(prefix, i, (method if pl.sliding_window is None else whole).initial_selection(ctx, i),
+                            max_new_tokens, static)
+              for i, pl in enumerate(prefix.layers)]  # in layer order: BACON's trace reads earlier layers
     return ResidentCache(layers)
 
 
@@ -301,7 +307,8 @@ class _AnswerAttentionRecorder:
         w = self.answer_valid.float()[:, None, :, None]  # (B, 1, T, 1)
         per_q = (probs * w).sum(2) / w.sum(2).clamp_min(1.0)  # (B, Hq, Np): mean over answer positions
         self.scores[layer] = per_q.view(B, p.n_kv_heads, -1, p.n_prefix).mean(2)  # GQA mean
-        return attend(query, keys, res.resident_values, valid, scaling, causal_tail=T), None
+        return attend(query, keys, res.resident_values, valid, scaling, causal_tail=T,
+                      sliding_window=p.layers[layer].sliding_window), None
 
 
 @torch.no_grad()

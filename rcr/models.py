@@ -1,7 +1,10 @@
 """What differs between the supported model families: where the text layers are, true positions, prompts.
 
-Families: Qwen2-VL and Qwen3-VL (M-RoPE: three position rows, from ``get_rope_index``), LLaVA-NeXT with a
-Mistral backbone (1-D positions). Everything else in ``rcr`` is family-agnostic.
+Families (by ``model_type``): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE use M-RoPE (three position rows,
+from the model's own ``get_rope_index``); LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL and Gemma 3 use 1-D
+positions (``cumsum`` of the attention mask). A layer with a sliding window (Gemma 3's local layers) is
+reported in :class:`Geometry` and is never re-selected: it keeps every prefix entry and attends within its own
+window, as transformers does (docs/models.md). Everything else in ``rcr`` is family-agnostic.
 """
 
 from __future__ import annotations
@@ -24,6 +27,14 @@ class Geometry:
     n_kv_heads: int
     head_dim: int
     scaling: float
+    # per layer: the attention's sliding window (keys within the last `window` positions), None for a global
+    # layer. Windowed layers are not re-selected (docs/models.md).
+    sliding_windows: tuple[int | None, ...] = ()
+
+    @property
+    def treated(self) -> tuple[bool, ...]:
+        """Per layer: whether a method re-selects this layer's prefix (every global layer)."""
+        return tuple(w is None for w in self.sliding_windows)
 
 
 def _text_layers(model):
@@ -35,8 +46,15 @@ def geometry(model) -> Geometry:
     layers = _text_layers(model)
     attn = layers[0].self_attn
     cfg = model.config.get_text_config()
+    if getattr(attn, "attn_logit_softcapping", None) is not None:  # the "rcr" attention has no soft-capping
+        raise ValueError(f"model_type={model.config.model_type!r}: attention logit soft-capping "
+                         f"({attn.attn_logit_softcapping}) is not supported")
+    # the window transformers passes to the attention function (None on global layers): the module's own
+    # attribute where it has one (per layer type: Gemma 3, Qwen2), else the config's for every layer (Mistral)
+    windows = tuple(layer.self_attn.sliding_window if hasattr(layer.self_attn, "sliding_window")
+                    else getattr(cfg, "sliding_window", None) for layer in layers)
     return Geometry(n_layers=len(layers), n_q_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
-                    head_dim=attn.head_dim, scaling=float(attn.scaling))
+                    head_dim=attn.head_dim, scaling=float(attn.scaling), sliding_windows=windows)
 
 
 class Adapter:
@@ -55,14 +73,18 @@ class Adapter:
 
 
 class QwenVLAdapter(Adapter):
-    model_types = ("qwen2_vl", "qwen3_vl")
+    """M-RoPE: vision tokens get (t, h, w) rows, text tokens three equal rows continuing after the image."""
+
+    model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
     def prefill_positions(self, model, inputs):
         mask = inputs["attention_mask"].bool()
+        # Qwen2.5-VL spaces video frames by their time (second_per_grid_ts); the others take no such input
+        extra = {"second_per_grid_ts": inputs["second_per_grid_ts"]} if "second_per_grid_ts" in inputs else {}
         pos, _ = model.model.get_rope_index(
             inputs["input_ids"], mm_token_type_ids=inputs.get("mm_token_type_ids"),
             image_grid_thw=inputs.get("image_grid_thw"), video_grid_thw=inputs.get("video_grid_thw"),
-            attention_mask=inputs["attention_mask"])  # (3, B, N)
+            attention_mask=inputs["attention_mask"], **extra)  # (3, B, N)
         nxt = pos.masked_fill(~mask.unsqueeze(0), -1).amax(dim=(0, 2)) + 1  # (B,)
         return pos, nxt
 
@@ -71,8 +93,10 @@ class QwenVLAdapter(Adapter):
         return p.unsqueeze(0).expand(3, -1, -1)  # text tokens: the three M-RoPE rows are equal
 
 
-class LlavaNextAdapter(Adapter):
-    model_types = ("llava_next",)
+class SequentialAdapter(Adapter):
+    """1-D positions: image tokens are ordinary sequence positions (LLaVA family, InternVL, Gemma 3)."""
+
+    model_types = ("llava", "llava_next", "llava_onevision", "internvl", "gemma3")
 
     def prefill_positions(self, model, inputs):
         mask = inputs["attention_mask"].long()
@@ -83,7 +107,7 @@ class LlavaNextAdapter(Adapter):
         return start.view(-1, 1) + torch.arange(length, device=start.device)
 
 
-ADAPTERS = (QwenVLAdapter(), LlavaNextAdapter())
+ADAPTERS = (QwenVLAdapter(), SequentialAdapter())
 SUPPORTED = tuple(t for a in ADAPTERS for t in a.model_types)
 
 

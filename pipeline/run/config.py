@@ -31,13 +31,9 @@ EMBEDDED_MODEL_DIR = REPO_ROOT / "assets" / "embedded" / "model"
 DEFAULT_MAX_NEW_TOKENS = {"detailcaps": 512, "textcaps": 64, "video": 128}
 MAX_NEW_TOKENS_LIMIT = 8192
 
-# Model families the core supports, by `model_type` in config.json and by hub-id pattern.
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "llava_next", "qwen3_vl")
-KNOWN_HUB_PATTERNS = (
-    re.compile(r"^Qwen/Qwen2-VL-[\w.-]+$"),
-    re.compile(r"^llava-hf/llava-v1\.6-[\w.-]+$"),
-    re.compile(r"^Qwen/Qwen3-VL-[\w.-]+$"),
-)
+# The shape of a Hub id (`owner/name`, or a legacy bare name). Whether it resolves (local cache, or the Hub when
+# online) and is a supported family is the driver's pre-flight (pipeline/preflight.py).
+HUB_ID = re.compile(r"[\w][\w.-]*(/[\w][\w.-]*)?")
 
 # Fields whose value changes what a row contains. They make the config hash; a rerun resumes only rows
 # written under the same hash.
@@ -273,14 +269,15 @@ def validate_model(model: Any) -> None:
             model_type = json.loads(cfg_file.read_text()).get("model_type")
         except json.JSONDecodeError as e:
             raise ConfigError("model", f"{cfg_file} is not valid JSON: {e}") from None
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError("model", f"{p} has model_type '{model_type}'; supported: "
-                                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        from rcr.models import SUPPORTED
+
+        if model_type not in SUPPORTED:
+            raise ConfigError("model", f"{p}: model_type {model_type} is not supported; "
+                                       f"supported: {', '.join(SUPPORTED)}")
         return
-    if any(pat.match(model) for pat in KNOWN_HUB_PATTERNS):
-        return
-    raise ConfigError("model", f"unknown model '{model}': not a local checkpoint directory and not a supported "
-                               "hub id (Qwen/Qwen2-VL-*, llava-hf/llava-v1.6-*, Qwen/Qwen3-VL-*) or 'embedded'")
+    if not HUB_ID.fullmatch(model):
+        raise ConfigError("model", f"'{model}' is not a local checkpoint directory, a Hub id (owner/name) "
+                                   "or 'embedded'")
 
 
 # Pipeline defaults that differ from the library's: `full` rows record the most-attended prefix position, so

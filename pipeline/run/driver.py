@@ -9,6 +9,8 @@ Steps:
 
 1. Resolve the shards and check each one's schema against ``INPUT_SCHEMA`` (an error names the column).
    Read only their ``sample_id`` column to list the rows in scope (``limit`` = the first N rows).
+   Pre-flight (``pipeline/preflight.py``): the model resolves, is a supported family and its processor loads,
+   and ``--device cuda`` has a GPU; a failure is one line naming the flag, exit code 2, before Ray starts.
 2. Resume: read the keys already in the output directory (only rows of the same config hash count; a
    directory holding another config's rows is refused). Plan the missing (sample, method) pairs.
 3. Rows the driver can reject on their own (a duplicate or missing sample_id) become error rows here.
@@ -29,13 +31,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline import preflight
 from pipeline.analysis import report, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.data import shards, synthetic
 from pipeline.run.actor import METHODS_COLUMN, SampleEvaluator
 from pipeline.run.config import (
     EMBEDDED,
-    EMBEDDED_MODEL_DIR,
     REPO_ROOT,
     ConfigError,
     JobConfig,
@@ -81,12 +83,6 @@ def write_embedded_shards(task: str, out_dir: Path, n: int | None = None, layout
     out_dir.mkdir(parents=True, exist_ok=True)
     say(f"writing the embedded synthetic {task} shards to {out_dir}")
     shards.write_synthetic_shards(task=task, out_dir=str(out_dir), n=n, layout=layout)
-
-
-def check_model_available(cfg: JobConfig) -> None:
-    if cfg.model == EMBEDDED and not (EMBEDDED_MODEL_DIR / "config.json").is_file():
-        raise ConfigError("model", f"the embedded model is missing at {EMBEDDED_MODEL_DIR} (it ships with the "
-                                   "repository; train it with jobs/train_embedded.py or pass --model)")
 
 
 def plan_job(cfg: JobConfig, store: OutputStore) -> tuple[list[str], Plan]:
@@ -285,6 +281,7 @@ def _driver_error_table(cfg: JobConfig, plan: Plan) -> pa.Table:
 def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) -> tuple[str, str | None]:
     """The model work, through Ray: every result block to ``writer``. Returns (status, error)."""
     ray = _ray_init(cfg)
+    preflight.check_cluster(cfg, ray.cluster_resources())
     res = actor_resources(cfg, ray.cluster_resources())
     say(f"ray: {ray.cluster_resources().get('CPU', 0):.0f} CPU / {ray.cluster_resources().get('GPU', 0):.0f} GPU; "
         f"{cfg.num_actors} actor(s) x (num_gpus={res['num_gpus']:g}, num_cpus={res['num_cpus']:g}, "
@@ -304,12 +301,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     """Run one job to completion (or to the first unrecoverable failure). Returns a report dict."""
     t_start = time.perf_counter()
     store = OutputStore(cfg.output_dir)
+    paths, plan = plan_job(cfg, store)
+    preflight.check(cfg)  # model and device: one line and exit code 2, before anything is written or Ray starts
     say(f"job {cfg.job_name}: task={cfg.task} model={cfg.model} methods={','.join(cfg.methods)} "
         f"max_new_tokens={cfg.max_new_tokens} config_hash={cfg.config_hash}")
     say(f"output dir: {cfg.output_dir}")
     say(f"mlflow: {cfg.mlflow_uri}")
-    check_model_available(cfg)
-    paths, plan = plan_job(cfg, store)
     run_id = new_run_id()
     n_samples_todo = len(plan.todo) + len(plan.driver_errors)
     say(f"{len(paths)} shard file(s), {len(plan.rows)} samples x {len(plan.methods)} methods = {plan.n_pairs} rows; "

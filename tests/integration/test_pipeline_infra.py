@@ -68,7 +68,7 @@ def _job(args, **kw):
 
 @pytest.mark.parametrize("flags, field", [
     (["--methods", "full,warp_drive"], "methods"),
-    (["--model", "acme/text-only-llm"], "model"),
+    (["--model", "acme/text only llm"], "model"),  # not a Hub id; a well-formed one: tests/pipeline/test_preflight.py
     (["--max-new-tokens", "100000"], "max_new_tokens"),
     (["--num-actors", "0"], "num_actors"),
 ])

@@ -31,7 +31,7 @@ def test_flags_override_yaml(tmp_path):
 
 @pytest.mark.parametrize("argv, field", [
     (["--methods", "full,nosuchmethod"], "methods"),
-    (["--model", "acme/not-a-vlm"], "model"),
+    (["--model", "acme/not a vlm"], "model"),  # not the shape of a Hub id; a well-formed one is pre-flight's
     (["--max-new-tokens", "0"], "max_new_tokens"),
     (["--batch-size", "0"], "batch_size"),
     (["--num-actors", "0"], "num_actors"),

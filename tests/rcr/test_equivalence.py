@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import rcr
+from rcr.generate import build_cache
+from rcr.models import build_inputs, geometry
 from tests import tiny_models
 
 # Every method test runs over the registry: a method added to it is covered automatically.
@@ -38,8 +40,27 @@ def test_every_method_equals_full_with_budget_over_prefix(family, prompt_words, 
     assert torch.equal(full, hf_greedy(model, inputs, N_NEW)), f"{name}: full != transformers generate"
     for label in ALL_METHODS:
         assert torch.equal(res[label].sequences, full), f"{name}/{label} diverged from full"
-    # the re-selecting methods really ran their decision at every layer-step
-    assert (res["exact"].telemetry.trigger == 1).all()
+    # the re-selecting methods really ran their decision at every layer-step of every global layer, and never on
+    # a sliding-window layer (those keep their whole prefix and attend within their window)
+    treated = torch.tensor(geometry(model).treated)
+    trigger = torch.from_numpy(res["exact"].telemetry.trigger)  # (B, L, T)
+    assert treated.any()
+    assert (trigger[:, treated] == 1).all() and (trigger[:, ~treated] == 0).all()
+
+
+def test_video_every_method_equals_full_and_transformers(family):
+    """Video positions (Qwen's temporal M-RoPE rows, Qwen2.5-VL's frame spacing) on a left-padded batch of 2."""
+    name, model, proc = family
+    if getattr(proc, "video_processor", None) is None:
+        pytest.skip(f"{name}: image-only family")
+    frames = [[tiny_models.random_image(10 * b + i, 56) for i in range(4)] for b in range(2)]
+    inputs = build_inputs(proc, [tiny_models.random_prompt(0, 4), tiny_models.random_prompt(1, 11)], frames,
+                          video=True)
+    assert not inputs["attention_mask"].bool().all()
+    res = rcr.generate(model, inputs, method=ALL_METHODS, max_new_tokens=6, config=BIG, ignore_eos=True)
+    assert torch.equal(res["full"].sequences, hf_greedy(model, inputs, 6)), f"{name}: full != transformers generate"
+    for label in ALL_METHODS:
+        assert torch.equal(res[label].sequences, res["full"].sequences), f"{name}/{label} diverged from full"
 
 
 def test_compressed_methods_differ_from_full_with_small_budget():
@@ -51,3 +72,71 @@ def test_compressed_methods_differ_from_full_with_small_budget():
                        ignore_eos=True)
     assert not torch.equal(res["bacon"].sequences, res["full"].sequences)
     assert not torch.equal(res["exact"].sequences, res["full"].sequences)
+
+
+def test_sliding_window_layers_keep_their_whole_prefix_and_global_layers_are_compressed():
+    """Gemma 3 at a small budget: the local (sliding-window) layer holds every prefix entry and makes no decision;
+    the global layer holds `selected` entries and re-selects them."""
+    model, proc = tiny_models.gemma3()
+    inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
+    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
+    prefix = rcr.prefill(model, inputs, cfg)
+    windows = [pl.sliding_window for pl in prefix.layers]
+    assert windows == [tiny_models.GEMMA_SLIDING_WINDOW, None]
+    assert prefix.n_prefix > tiny_models.GEMMA_SLIDING_WINDOW  # the window really drops prefix entries
+    cache = build_cache(rcr.parse_method("exact", cfg), prefix, N_NEW)
+    assert cache.layers[0].n_selected == prefix.n_prefix and cache.layers[1].n_selected == 4
+    res = rcr.generate(model, inputs, method=["full", "exact"], max_new_tokens=N_NEW, config=cfg, ignore_eos=True)
+    trigger = res["exact"].telemetry.trigger  # (B, L, T)
+    assert (trigger[:, 0] == 0).all() and (trigger[:, 1] == 1).all()
+    assert not torch.equal(res["exact"].sequences, res["full"].sequences)
+
+
+def test_a_window_from_the_config_applies_to_every_layer():
+    """Mistral passes its config's `sliding_window` to every layer (no per-layer attribute): with a window shorter
+    than the prompt, every layer is windowed, none is re-selected, and `full` still equals transformers."""
+    from transformers import LlavaNextForConditionalGeneration
+
+    base, proc = tiny_models.llava_next()
+    cfg = base.config.__class__.from_dict(base.config.to_dict())
+    cfg.text_config.sliding_window = 12
+    model = LlavaNextForConditionalGeneration(cfg).eval()
+    model.load_state_dict(base.state_dict())
+    assert geometry(model).sliding_windows == (12,) * cfg.text_config.num_hidden_layers
+    inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
+    res = rcr.generate(model, inputs, method=["full", "exact"], max_new_tokens=N_NEW, config=BIG, ignore_eos=True)
+    ref = hf_greedy(model, inputs, N_NEW)
+    assert torch.equal(res["full"].sequences, ref) and torch.equal(res["exact"].sequences, ref)
+    assert not torch.equal(ref, hf_greedy(base, inputs, N_NEW))  # the window changed the answer
+    assert (res["exact"].telemetry.trigger == 0).all()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's state lives for the process: a later compile of the same decode frame for another family would see
+    a changed float (the attention scaling), trace it as dynamic and read it with `.item()` inside the graph."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("label", ["full", "exact"])
+def test_compiled_decode_keeps_the_window_on_sliding_window_layers(label, fresh_dynamo):
+    """The static-shape compiled decode (torch's "eager" backend: traced as one graph, no code generation) limits
+    Gemma 3's local layer to its window as the eager decode does, on a left-padded batch whose prefix is longer
+    than the window; `full` compiled still equals transformers' own `generate`."""
+    model, proc = tiny_models.gemma3()
+    inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
+    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
+    prefix = rcr.prefill(model, inputs, cfg)
+    assert prefix.n_prefix > tiny_models.GEMMA_SLIDING_WINDOW
+    eager = rcr.decode(model, prefix, rcr.parse_method(label, cfg), N_NEW, eos_token_id=[])
+    dec = rcr.Decoder(model, prefix, rcr.parse_method(label, cfg.replace(compile="eager")), N_NEW, eos_token_id=[])
+    assert all(layer.static for layer in dec.cache.layers)
+    dec.run()
+    compiled = dec.result(0.0, 0.0)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    if label == "full":
+        assert torch.equal(compiled.sequences, hf_greedy(model, inputs, N_NEW))
+    else:  # the global layer is compressed and re-selected, the local one is not
+        assert (compiled.telemetry.trigger[:, 0] == 0).all() and (compiled.telemetry.trigger[:, 1] == 1).all()

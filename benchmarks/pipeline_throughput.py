@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 
 def _model(arg: str, tmp: Path) -> str:
-    if arg != "embedded" or (REPO / "assets" / "embedded" / "model" / "config.json").is_file():
+    if arg != "embedded" or (REPO / "rcr" / "embedded_model" / "config.json").is_file():
         return arg
     from pipeline_helpers import tiny_qwen2_vl_dir
 

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rcr.embedded import model_dir as embedded_model_dir
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = "embedded"
-EMBEDDED_MODEL_DIR = REPO_ROOT / "assets" / "embedded" / "model"
+EMBEDDED_MODEL_DIR = embedded_model_dir()  # package data of rcr: rcr/embedded_model/
 
 TASKS = ("detailcaps", "textcaps", "video")
 DEFAULT_MAX_NEW_TOKENS = {"detailcaps": 512, "textcaps": 64, "video": 128}

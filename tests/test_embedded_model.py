@@ -1,4 +1,4 @@
-"""The shipped embedded model (assets/embedded/model) and the training script that builds it."""
+"""The shipped embedded model (rcr/embedded_model) and the training script that builds it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pipeline.config import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
 from pipeline.metrics import rouge_l_f1  # noqa: E402
 
 # RCR_EMBEDDED_MODEL lets a candidate (e.g. runs/train_embedded/final) be checked before it is shipped
-MODEL_DIR = Path(os.environ.get("RCR_EMBEDDED_MODEL", REPO / "assets" / "embedded" / "model"))
+MODEL_DIR = Path(os.environ.get("RCR_EMBEDDED_MODEL", REPO / "rcr" / "embedded_model"))
 
 
 @pytest.fixture(scope="module")

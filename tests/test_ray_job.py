@@ -34,7 +34,7 @@ from pipeline_helpers import (
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
-EMBEDDED_MODEL = REPO / "assets" / "embedded" / "model"
+EMBEDDED_MODEL = REPO / "rcr" / "embedded_model"
 
 
 @pytest.fixture(scope="module")

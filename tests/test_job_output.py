@@ -1,0 +1,52 @@
+"""A job's own output is quiet and truthful: no warning or deprecation line from the project's calls, no Ray
+informational lines or Ray Data progress blocks, one progress display; `--help` states every real default."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pipeline_helpers import synthetic_records, write_shard
+
+from pipeline.config import build_arg_parser, default_runs_root
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_help_gives_every_flag_a_text_and_its_real_default():
+    p = build_arg_parser("textcaps")
+    text = p.format_help()
+    assert "default: None" not in text
+    for a in p._actions:
+        if a.dest == "help":
+            continue
+        assert a.help and "(default: " in a.help, f"{a.option_strings[0]} has no help text with its default"
+    helps = {a.dest: a.help for a in p._actions}
+    assert "(default: all)" in helps["methods"] and "(default: textcaps 64)" in helps["max_new_tokens"]
+    assert f"(default: sqlite:///{default_runs_root() / 'mlflow.db'})" in helps["mlflow_uri"]
+    assert f"(default: {default_runs_root()}/<job name>)" in helps["output_dir"]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_small_job_output_is_quiet(tmp_path):
+    shards = tmp_path / "shards"
+    write_shard(shards / "part-0.parquet", synthetic_records("detailcaps", 2))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RCR_RUNS_DIR": str(tmp_path / "runs"), "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "jobs/detailcaps.py", "--shards", str(shards), "--methods", "full,bacon",
+           "--max-new-tokens", "8", "--output-dir", str(tmp_path / "out"),
+           "--mlflow-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--progress-every-s", "2"]
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    lines = out.splitlines()
+    noisy = [ln for ln in lines if re.search(r"Warning|Deprecat|\bWARNING\b|\tINFO |logging_progress", ln)]
+    assert not noisy, "\n".join(noisy)
+    progress = [ln for ln in lines if ln.startswith("[rcr-job] progress: ")]
+    assert progress and progress[-1].startswith("[rcr-job] progress: 4/4 rows, 2/2 samples")
+    assert any(ln.startswith("[rcr-job] Parquet: ") for ln in lines)

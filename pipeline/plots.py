@@ -175,8 +175,9 @@ def plot_frontier(analysis: Analysis, path: Path) -> Path | None:
         if not fx.empty and not sw.empty:  # the plain `fixed` method is a sweep point too
             sw = pd.concat([sw, fx])
         for axis, x, label in ((ax, "refresh_fraction", "realised refresh fraction (of layer-steps)"),
-                               (ax_r, "reads_per_step", "prefix reads per decode step (keys + values per KV head "
-                                                        "per layer; symlog)")):
+                               (ax_r, "reads_per_step",
+                                ("prefix reads per decode step (keys + values per KV head per layer; "
+                                 "symlog)"))):
             if not sw.empty:
                 s_ = sw.sort_values(x)
                 yerr = [(s_.fidelity - s_.fidelity_ci_low).clip(lower=0),

@@ -19,6 +19,7 @@ import warnings
 
 RAY_LOGGING_LEVEL = logging.WARNING
 TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+PROGRESS_OFF_NOTICE = "Progress bars disabled"
 
 
 class _DropMessage(logging.Filter):
@@ -46,6 +47,8 @@ def quiet_ray_data(ctx) -> None:
     for h in logging.getLogger("ray.data").handlers:
         if h.get_name() == "console":
             h.setLevel(logging.WARNING)
+            if not any(isinstance(f, _DropMessage) for f in h.filters):
+                h.addFilter(_DropMessage(PROGRESS_OFF_NOTICE))  # we turned them off on purpose
 
 
 @contextlib.contextmanager

@@ -31,22 +31,25 @@ from pipeline.schema import SchemaError  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("source", choices=["detailcaps", "textcaps", "video", "synthetic"])
+    ap.add_argument("source", choices=["detailcaps", "textcaps", "video", "synthetic"], help="what to convert")
     ap.add_argument("--out", required=True, help="output directory for the Parquet shards")
-    ap.add_argument("--limit", type=int, default=None, help="keep a fixed random subset of N samples")
-    ap.add_argument("-n", type=int, default=None, help="synthetic: number of samples (default 200)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the subset (or of the synthetic samples)")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="keep a fixed random subset of N samples (default: every sample)")
+    ap.add_argument("-n", type=int, default=None, help="synthetic: number of samples (default: --limit, else 200)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the subset (or of the synthetic samples) (default: 0)")
     ap.add_argument("--local-path", default=None,
-                    help="local copy of the dataset (file or directory); for video: the folder of videos")
+                    help="local copy of the dataset (file or directory); for video: the folder of videos "
+                         "(default: the Hub dataset at its pinned revision)")
     ap.add_argument("--cache-dir", default=None, help="Hugging Face hub cache directory (default: HF_HUB_CACHE)")
     ap.add_argument("--revision", default=None, help="override the pinned dataset revision (default: the pinned one)")
     ap.add_argument("--streaming", action="store_true",
                     help="read the Hub dataset with datasets' streaming=True and keep its first --limit samples "
                          "(no random subset, nothing written to the datasets cache)")
-    ap.add_argument("--task", default="detailcaps", help="synthetic: detailcaps, textcaps or video")
-    ap.add_argument("--frames", type=int, default=8, help="video: frames sampled uniformly per video")
-    ap.add_argument("--shard-size", type=int, default=256)
-    ap.add_argument("--workers", type=int, default=1, help="synthetic: generator processes")
+    ap.add_argument("--task", default="detailcaps",
+                    help="synthetic: detailcaps, textcaps or video (default: detailcaps)")
+    ap.add_argument("--frames", type=int, default=8, help="video: frames sampled uniformly per video (default: 8)")
+    ap.add_argument("--shard-size", type=int, default=256, help="samples per Parquet shard (default: 256)")
+    ap.add_argument("--workers", type=int, default=1, help="synthetic: generator processes (default: 1)")
     args = ap.parse_args(argv)
 
     t0 = time.time()

@@ -24,6 +24,8 @@ names ``--local-path``.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -80,6 +82,59 @@ TEXTCAPS = HubSource(
 )
 
 SOURCES = {"detailcaps": DETAILCAPS, "textcaps": TEXTCAPS}
+
+
+# ------------------------------------------------------------------------------------------- --dataset
+@dataclass(frozen=True)
+class NamedDataset:
+    """A job's ``--dataset NAME[:split]``: the task's source (with the split) and, for a local copy, its path."""
+
+    source: HubSource
+    local_path: str | None
+
+    def cache_name(self) -> str:
+        """A directory name that changes when the data can: the pinned revision for the Hub, else a hash of the
+        local files' paths, sizes and modification times."""
+        src = self.source
+        if self.local_path is None:
+            return f"{src.name}-{src.split}-{src.revision[:10]}"
+        root = Path(self.local_path)
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        h = hashlib.sha256(f"{root}\0{src.split}".encode())
+        for f in files:
+            st = f.stat()
+            h.update(f"\0{f.relative_to(root) if f != root else f.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        return f"{src.name}-{src.split}-local-{h.hexdigest()[:12]}"
+
+    def records(self) -> Iterator[dict]:
+        """Every sample of the dataset in the input schema, in source order."""
+        return convert_hub(self.source, self.local_path)
+
+
+def parse_dataset(spec: str, task: str) -> NamedDataset:
+    """``NAME[:split]`` -> :class:`NamedDataset`. NAME is the task's Hugging Face dataset (its repo id, or the
+    task name) read at the pinned revision, or a local copy of it (a ``save_to_disk`` directory, or a Parquet
+    file or folder laid out like the Hub's). The split defaults to the pinned one; another split is found by
+    ``datasets`` from the dataset's own layout. Rows map to the input schema with the task's converter, so
+    only the datasets this module converts are accepted."""
+    src = SOURCES.get(task)
+    if src is None:
+        raise DataError(f"task '{task}' has no Hugging Face source (have: {', '.join(SOURCES)}); convert the "
+                        "data with jobs/prepare_data.py and pass --shards")
+    name, split = spec, None
+    head, sep, tail = spec.rpartition(":")
+    if sep and head and tail and "/" not in tail:
+        name, split = head, tail
+    local = None
+    if name not in (src.repo_id, src.name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise DataError(f"'{name}' is neither {src.repo_id} (or '{src.name}') nor a local file or directory; "
+                            f"task {task} reads {src.repo_id} or a local copy of it")
+        local = str(path.resolve())
+    if split is not None and split != src.split:
+        src = dataclasses.replace(src, split=split, files=())  # the pinned files belong to the pinned split
+    return NamedDataset(src, local)
 
 
 def _refs(values, where: str) -> list[str]:

@@ -64,6 +64,7 @@ class JobConfig:
     task: str = "detailcaps"
     model: str = EMBEDDED  # "embedded", a local checkpoint dir, or a supported hub id
     shards: list[str] = field(default_factory=lambda: [EMBEDDED])  # parquet files, dirs or globs; "embedded"
+    dataset: str | None = None  # instead of shards: "NAME[:split]", the task's HF dataset or a local copy of it
     methods: list[str] = field(default_factory=lambda: ["all"])  # "all": every method the core provides
     max_new_tokens: int | None = None  # None: 512 detailcaps, 64 textcaps, 128 video
     limit: int | None = None  # first N input rows, in shard order
@@ -170,6 +171,8 @@ class JobConfig:
             raise ConfigError("engine", f"must be 'rcr' or 'module:Class', got {self.engine!r}")
         self.methods = _as_list("methods", self.methods)
         self.shards = _as_list("shards", self.shards)
+        if self.dataset is not None:
+            self.dataset = validate_dataset(self.dataset, self.task, self.shards)
         self.methods = validate_methods(self.methods)
         validate_model(self.model)
         self.rcr = validate_rcr(self.rcr)
@@ -230,6 +233,22 @@ def _as_list(name: str, value: Any) -> list[str]:
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
         raise ConfigError(name, f"must be a non-empty list of strings, got {value!r}")
     return list(value)
+
+
+def validate_dataset(spec: Any, task: str, shards: list[str]) -> str:
+    """``--dataset NAME[:split]``: one the task's converter reads (``pipeline/data/convert.py``), not with --shards."""
+    from pipeline.data.convert import parse_dataset
+    from pipeline.data.shards import DataError
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("dataset", f"must be NAME[:split], got {spec!r}")
+    if shards != [EMBEDDED]:
+        raise ConfigError("dataset", "give --dataset or --shards, not both")
+    try:
+        parse_dataset(spec.strip(), task)
+    except DataError as e:
+        raise ConfigError("dataset", str(e)) from None
+    return spec.strip()
 
 
 def available_methods() -> list[str]:
@@ -355,6 +374,10 @@ def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
                    "a local checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct (default: embedded)")
     p.add_argument("--shards", nargs="+", help="Parquet shard files/dirs/globs in the input schema, or 'embedded': "
                    f"the synthetic shards, generated once under {runs / 'shards'} (default: embedded)")
+    p.add_argument("--dataset", help="instead of --shards: NAME[:split], the task's Hugging Face dataset by name "
+                   "(foundation-multimodal-models/DetailCaps-4870, lmms-lab/TextCaps, or the task name) at its "
+                   "pinned revision, or a local save_to_disk directory or Parquet file/folder of it; converted in "
+                   f"full once, into {runs / 'datasets'} (default: none; the split defaults to the pinned one)")
     p.add_argument("--methods", help="comma-separated method labels, or 'all': "
                    f"{', '.join(available_methods())}; 'fixed@TAU' runs fixed with that tau "
                    "(e.g. fixed@0.05,fixed@0.10 for a sweep); full is always run (default: all)")

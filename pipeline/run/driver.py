@@ -34,7 +34,7 @@ import pyarrow as pa
 from pipeline import quiet
 from pipeline.analysis import report, tracking
 from pipeline.analysis.analyze import analyze
-from pipeline.data import shards
+from pipeline.data import convert, shards
 from pipeline.run.actor import METHODS_COLUMN, SampleEvaluator
 from pipeline.run.config import (
     EMBEDDED,
@@ -42,6 +42,7 @@ from pipeline.run.config import (
     REPO_ROOT,
     ConfigError,
     JobConfig,
+    default_runs_root,
 )
 from pipeline.run.store import (
     OutputStore,
@@ -83,6 +84,23 @@ def write_embedded_shards(task: str, out_dir: Path, n: int | None = None) -> Non
     shards.write_synthetic_shards(task=task, out_dir=str(out_dir), n=n)
 
 
+def dataset_shards(spec: str, task: str) -> list[str]:
+    """``--dataset``: the named dataset converted in full once, by the task's converter, into input shards under
+    ``~/rcr-runs/datasets/`` (a new revision, split or changed local copy gets its own directory). The job
+    then streams them like any shards: resume and ``limit`` work on their sample ids."""
+    named = convert.parse_dataset(spec, task)
+    cache = default_runs_root() / "datasets" / named.cache_name()
+    if not (cache / shards.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
+        say(f"converting {spec} to input shards in {cache} (once)")
+        try:
+            shards.write_shards(named.records(), cache, prefix=named.source.name)
+        except convert.OfflineError as e:
+            raise ConfigError("dataset", f"{e} (for a job: --dataset <that file or dir>)") from None
+        except shards.DataError as e:
+            raise ConfigError("dataset", str(e)) from None
+    return [str(cache)]
+
+
 def check_model_available(cfg: JobConfig) -> None:
     if cfg.model == EMBEDDED and not (EMBEDDED_MODEL_DIR / "config.json").is_file():
         raise ConfigError("model", f"the embedded model is missing at {EMBEDDED_MODEL_DIR} (it ships with the "
@@ -90,7 +108,10 @@ def check_model_available(cfg: JobConfig) -> None:
 
 
 def plan_job(cfg: JobConfig, store: OutputStore) -> tuple[list[str], Plan]:
-    specs = embedded_shards(cfg.task) if cfg.shards == [EMBEDDED] else cfg.shards
+    if cfg.dataset is not None:
+        specs = dataset_shards(cfg.dataset, cfg.task)
+    else:
+        specs = embedded_shards(cfg.task) if cfg.shards == [EMBEDDED] else cfg.shards
     paths = resolve_shards(specs)
     rows, dup_accept = scan_shards(paths, cfg.limit)
     if not rows:

@@ -17,6 +17,9 @@ from PIL import Image
 from jobs import prepare_data
 from pipeline import data
 from pipeline.data import convert
+from pipeline.run import driver
+from pipeline.run.config import ConfigError, JobConfig
+from pipeline.run.store import OutputStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,3 +135,50 @@ def test_offline_with_nothing_cached_is_one_line(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert len(lines) == 1 and "--local-path" in lines[0] and "DetailCaps-4870" in lines[0], lines
     assert not (tmp_path / "out" / data.SUCCESS_MARKER).exists()
+
+
+# ------------------------------------------------------------------------------------- the jobs' --dataset
+def test_job_dataset_flag_is_checked_up_front(tmp_path):
+    cfg = JobConfig.from_args(["--dataset", "lmms-lab/TextCaps:val"], task="textcaps")
+    assert cfg.dataset == "lmms-lab/TextCaps:val"
+    named = convert.parse_dataset(cfg.dataset, "textcaps")
+    assert named.local_path is None and named.source == convert.TEXTCAPS  # the pinned split keeps its files
+    other = convert.parse_dataset("textcaps:train", "textcaps").source
+    assert (other.split, other.files, other.revision) == ("train", (), convert.TEXTCAPS.revision)
+    for argv, task, words in (
+        (["--dataset", "someone/Other"], "textcaps", "neither lmms-lab/TextCaps"),
+        (["--dataset", "textcaps", "--shards", str(tmp_path)], "textcaps", "not both"),
+        (["--dataset", "detailcaps"], "video", "no Hugging Face source"),
+        (["--dataset", "lmms-lab/TextCaps"], "detailcaps", "neither foundation-multimodal-models"),
+    ):
+        with pytest.raises(ConfigError, match=words) as e:
+            JobConfig.from_args(argv, task=task)
+        assert e.value.field == "dataset"
+
+
+def test_job_dataset_from_a_local_copy_is_converted_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path / "runs"))
+    datasets.DatasetDict({"val": textcaps_dataset(["a", "a", "b"]), "train": textcaps_dataset(["t"])}
+                         ).save_to_disk(str(tmp_path / "tc"))
+
+    def plan(spec):
+        cfg = JobConfig.from_args(["--dataset", spec, "--output-dir", str(tmp_path / "out")], task="textcaps")
+        paths, p = driver.plan_job(cfg, OutputStore(cfg.output_dir))
+        return paths, [r.sample_id for r in p.rows]
+
+    paths, ids = plan(str(tmp_path / "tc"))
+    assert ids == ["textcaps-a", "textcaps-b"]
+    assert all(Path(p).is_relative_to(tmp_path / "runs" / "datasets") for p in paths)
+    assert plan(f"{tmp_path / 'tc'}:train")[1] == ["textcaps-t"]
+
+    def no_conversion(self):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(convert.NamedDataset, "records", no_conversion)
+    assert plan(str(tmp_path / "tc")) == (paths, ids)  # the shards of the first conversion
+    monkeypatch.undo()
+    monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path / "runs"))
+    datasets.DatasetDict({"val": textcaps_dataset(["c"])}).save_to_disk(str(tmp_path / "tc2"))
+    (tmp_path / "tc").rename(tmp_path / "old")
+    (tmp_path / "tc2").rename(tmp_path / "tc")  # the same path, other data: converted anew
+    assert plan(str(tmp_path / "tc"))[1] == ["textcaps-c"]

@@ -11,7 +11,7 @@ It also prints the counted reads per KV head per layer-step next to the paper's 
 detector dot products at rank 8 / head dim 128, plus 160 * r vector reads for rcr, r the refresh fraction).
 
 ``--mode model``: decode tokens/s of whole models from one prefill (prefix store), every method decoding the
-same number of tokens: the embedded model (``assets/embedded/model``) on a synthetic detailcaps scene, and a
+same number of tokens: the embedded model (``rcr.embedded.model_dir()``) on a synthetic detailcaps scene, and a
 few random-weight layers of the 7B geometry (hidden 3584, MLP 18944) on a random prefix store of Np entries.
 
 Every method gets the same untimed settle steps (the rate controller's tau0 is far below the drift of random
@@ -43,6 +43,7 @@ sys.path.insert(0, ROOT)
 import rcr  # noqa: E402
 from rcr import RCRConfig  # noqa: E402
 from rcr.cache import PrefixLayer, PrefixStore  # noqa: E402
+from rcr.embedded import model_dir  # noqa: E402
 from rcr.generate import DecodeSession, build_cache  # noqa: E402
 from rcr.methods import parse_method  # noqa: E402
 from rcr.telemetry import Telemetry  # noqa: E402
@@ -238,7 +239,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=32, help="model mode: decode steps per timed stretch")
     ap.add_argument("--rounds", type=int, default=3, help="model mode: interleaved timed stretches per method")
     ap.add_argument("--models", default="embedded,7b", help="model mode: comma-separated of embedded, 7b")
-    ap.add_argument("--model", default=os.path.join(ROOT, "assets", "embedded", "model"))
+    ap.add_argument("--model", default=str(model_dir()))
     ap.add_argument("--stack-layers", type=int, default=2, help="model mode: layers of the 7B-geometry stack")
     ap.add_argument("--compile", default=None, help="model mode: RCRConfig.compile for every method")
     ap.add_argument("--device", default="cpu")

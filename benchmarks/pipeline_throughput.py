@@ -31,7 +31,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 
 def _model(arg: str, tmp: Path) -> str:
-    if arg != "embedded" or (REPO / "assets" / "embedded" / "model" / "config.json").is_file():
+    from rcr.embedded import model_dir
+
+    if arg != "embedded" or (model_dir() / "config.json").is_file():
         return arg
     from pipeline_helpers import tiny_qwen2_vl_dir
 

@@ -3,7 +3,7 @@ offload mode really moves from host memory, next to the 160·r model.
 
     python benchmarks/reads_per_step.py [--model PATH] [--samples 3] [--max-new-tokens 48] [--image-size 896]
 
-Model: ``--model``, else the embedded model (assets/embedded/model) when it exists, else a tiny random-weight
+Model: ``--model``, else the embedded model (rcr/embedded_model) when it exists, else a tiny random-weight
 Qwen2-VL (tests/tiny_models.py) with a realistic prefix (896 px: 1,024 visual tokens). Every method decodes
 the same samples (batch 1 each) with the paper's budget: 32 selected + 32 window slots, 128 candidates, rank 8,
 pages of 16. Reads are counted per KV head and layer-step, as the telemetry records them (the deployment
@@ -34,11 +34,12 @@ sys.path.insert(0, ROOT)
 
 import rcr  # noqa: E402
 from pipeline.schema import telemetry_summary  # noqa: E402
+from rcr.embedded import model_dir  # noqa: E402
 from rcr.models import PROMPTS, build_inputs, geometry  # noqa: E402
 
 METHODS = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen"]
 OFFLOAD = ["fixed", "rcr", "rcr_layer"]
-EMBEDDED = os.path.join(ROOT, "assets", "embedded", "model")
+EMBEDDED = str(model_dir())
 
 
 def load_model(args):

@@ -47,7 +47,7 @@ stop_group() {  # pidfile name
   local pidfile=$1 name=$2 pid i
   if ! alive "$pidfile"; then rm -f "$pidfile"; return 0; fi
   pid=$(cat "$pidfile")
-  say "stopping $name (process group $pid)"
+  say "stopping $name (process group $pid); waiting up to 20 s for it to exit"
   kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
   for ((i = 0; i < 20; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -KILL -- "-$pid" 2>/dev/null || true
@@ -74,6 +74,7 @@ start() {
       --dashboard-host "$HOST" --dashboard-port "$DASH_PORT" --include-dashboard true \
       --temp-dir "$RAY_TMP" --disable-usage-stats "${extra[@]}" > "$STATE/ray.log" 2>&1 < /dev/null &
     echo $! > "$STATE/ray.pid"
+    say "waiting for the Ray head to answer (up to 120 s)"
     if ! wait_http "http://$HOST:$DASH_PORT/api/version" 120; then
       say "the Ray head did not come up; last lines of $STATE/ray.log:"; tail -20 "$STATE/ray.log"; exit 1
     fi
@@ -90,6 +91,7 @@ start() {
       --backend-store-uri "sqlite:///$RUNS/mlflow.db" --artifacts-destination "$RUNS/mlartifacts" \
       --workers 1 > "$STATE/mlflow.log" 2>&1 < /dev/null &
     echo $! > "$STATE/mlflow.pid"
+    say "waiting for MLflow to answer (up to 120 s)"
     if ! wait_http "http://$HOST:$MLFLOW_PORT/health" 120; then
       say "MLflow did not come up; last lines of $STATE/mlflow.log:"; tail -20 "$STATE/mlflow.log"; exit 1
     fi

@@ -18,6 +18,7 @@ if [ "${RCR_SKIP_INSTALL:-0}" != 1 ]; then
     "${PYTHON:-python3}" -m venv .venv
   fi
   . .venv/bin/activate
+  echo "[quickstart] checking the installed packages (importing torch, ray, mlflow takes ~10 s)"
   if ! python -c "import torch, torchvision, ray, mlflow, rcr, pipeline" 2>/dev/null; then
     echo "[quickstart] installing (torch 2.14.1 + torchvision 0.29.1, then this repo with the pipeline extras)"
     python -m pip install -q --upgrade pip
@@ -29,6 +30,7 @@ elif [ -x .venv/bin/python ]; then
 fi
 
 RUNS="${RCR_RUNS_DIR:-$HOME/rcr-runs}"
+echo "[quickstart] starting a local Ray head and MLflow server on 127.0.0.1 (~20-30 s)"
 infra/local_cluster.sh start
 # shellcheck disable=SC1091
 source "$RUNS/local-cluster/env"

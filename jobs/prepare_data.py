@@ -6,9 +6,10 @@
     python jobs/prepare_data.py video      --local-path /data/my_videos --frames 8 --out data/video
     python jobs/prepare_data.py synthetic  --task detailcaps -n 200 --seed 10000 --out data/synthetic_detailcaps
 
-DetailCaps and TextCaps come from the Hugging Face Hub at a pinned revision (``pipeline/data/convert.py``), or
-from the local hub cache when offline, or from ``--local-path`` (a Parquet file, a snapshot directory or
-a ``datasets.save_to_disk`` directory). Shards are written atomically; the directory gets a ``_SUCCESS``
+DetailCaps and TextCaps are read with Hugging Face ``datasets`` (``pipeline/data/hf_datasets.py``):
+``datasets.load_dataset`` on the Hub at a pinned revision (``--streaming`` for streaming=True), which also works
+offline from the local caches, or ``--local-path`` (a Parquet file, a snapshot directory or a
+``datasets.save_to_disk`` directory). Shards are written atomically; the directory gets a ``_SUCCESS``
 marker only when every shard is in place.
 """
 
@@ -30,19 +31,25 @@ from pipeline.schema import SchemaError  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("source", choices=["detailcaps", "textcaps", "video", "synthetic"])
+    ap.add_argument("source", choices=["detailcaps", "textcaps", "video", "synthetic"], help="what to convert")
     ap.add_argument("--out", required=True, help="output directory for the Parquet shards")
-    ap.add_argument("--limit", type=int, default=None, help="keep a fixed random subset of N samples")
-    ap.add_argument("-n", type=int, default=None, help="synthetic: number of samples (default 200)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the subset (or of the synthetic samples)")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="keep a fixed random subset of N samples (default: every sample)")
+    ap.add_argument("-n", type=int, default=None, help="synthetic: number of samples (default: --limit, else 200)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the subset (or of the synthetic samples) (default: 0)")
     ap.add_argument("--local-path", default=None,
-                    help="local copy of the dataset (file or directory); for video: the folder of videos")
+                    help="local copy of the dataset (file or directory); for video: the folder of videos "
+                         "(default: the Hub dataset at its pinned revision)")
     ap.add_argument("--cache-dir", default=None, help="Hugging Face hub cache directory (default: HF_HUB_CACHE)")
-    ap.add_argument("--revision", default=None, help="override the pinned dataset revision")
-    ap.add_argument("--task", default="detailcaps", help="synthetic: detailcaps, textcaps or video")
-    ap.add_argument("--frames", type=int, default=8, help="video: frames sampled uniformly per video")
-    ap.add_argument("--shard-size", type=int, default=256)
-    ap.add_argument("--workers", type=int, default=1, help="synthetic: generator processes")
+    ap.add_argument("--revision", default=None, help="override the pinned dataset revision (default: the pinned one)")
+    ap.add_argument("--streaming", action="store_true",
+                    help="read the Hub dataset with datasets' streaming=True and keep its first --limit samples "
+                         "(no random subset, nothing written to the datasets cache)")
+    ap.add_argument("--task", default="detailcaps",
+                    help="synthetic: detailcaps, textcaps or video (default: detailcaps)")
+    ap.add_argument("--frames", type=int, default=8, help="video: frames sampled uniformly per video (default: 8)")
+    ap.add_argument("--shard-size", type=int, default=256, help="samples per Parquet shard (default: 256)")
+    ap.add_argument("--workers", type=int, default=1, help="synthetic: generator processes (default: 1)")
     args = ap.parse_args(argv)
 
     t0 = time.time()
@@ -53,9 +60,11 @@ def main(argv=None) -> int:
                                          workers=args.workers)
         else:
             if args.source == "detailcaps":
-                recs = convert.convert_detailcaps(args.local_path, args.limit, args.seed, args.cache_dir, args.revision)
+                recs = convert.convert_detailcaps(args.local_path, args.limit, args.seed, args.cache_dir, args.revision,
+                                                  args.streaming)
             elif args.source == "textcaps":
-                recs = convert.convert_textcaps(args.local_path, args.limit, args.seed, args.cache_dir, args.revision)
+                recs = convert.convert_textcaps(args.local_path, args.limit, args.seed, args.cache_dir, args.revision,
+                                                args.streaming)
             else:
                 if not args.local_path:
                     ap.error("video needs --local-path <folder of videos or frame folders>")

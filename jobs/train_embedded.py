@@ -36,7 +36,7 @@ if str(REPO) not in sys.path:
 
 from pipeline.data import synthetic as S  # noqa: E402
 
-DEFAULT_OUT = REPO / "assets" / "embedded" / "model"
+DEFAULT_OUT = REPO / "rcr" / "embedded_model"
 DEFAULT_RUN_DIR = REPO / "runs" / "train_embedded"
 
 SPECIAL_TOKENS = {

@@ -123,8 +123,13 @@ def adapter_for(model) -> Adapter:
 
 def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str = "auto",
          trust_remote_code: bool = False, local_files_only: bool | None = None):
-    """Load (model, processor) for a supported family. ``trust_remote_code`` stays off unless asked for."""
+    """Load (model, processor) for a supported family. ``trust_remote_code`` stays off unless asked for.
+    ``"embedded"`` names the small synthetic-scene model shipped inside the package (``rcr/embedded.py``)."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    from .embedded import resolve
+
+    name_or_path = resolve(name_or_path)
 
     kw = dict(trust_remote_code=trust_remote_code)
     if local_files_only is not None:

@@ -5,7 +5,10 @@
 * ``fidelity_ci.png``: fidelity mean with its 95% CI per method (one panel per model);
 * ``tau_refresh.png``: tau and the refresh fraction over decode steps for a few ``rcr`` samples;
 * ``drift_heatmap.png``: mean drift per layer x step (``rcr`` rows, else any drift-detector method);
-* ``frontier.png``: fidelity against realised refresh fraction across methods, the tau sweep and ``rcr``.
+* ``frontier.png``: fidelity against realised refresh fraction (left) and against prefix reads per decode
+  step (right) across methods, the tau sweep and ``rcr``; ``full`` reads the whole prefix at every step, so
+  it is drawn as the reference line, not as a point at refresh fraction 0;
+* ``fidelity_vs_length.png``: per-sample fidelity against the uncompressed output length, per method.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from pipeline.schema import Col
 matplotlib.use("Agg", force=True)  # before pyplot: the driver has no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["make_plots", "plot_fidelity", "plot_tau_refresh", "plot_drift_heatmap", "plot_frontier"]
+__all__ = ["make_plots", "plot_fidelity", "plot_tau_refresh", "plot_drift_heatmap", "plot_frontier",
+           "plot_fidelity_vs_length"]
 
 
 def _models(analysis: Analysis) -> list[str]:
@@ -146,44 +150,103 @@ def plot_drift_heatmap(df: pd.DataFrame, path: Path, methods=(RCR, FIXED), max_s
     return _save(fig, path)
 
 
+def _full_reference(ax, analysis: Analysis, model: str, note: str) -> None:
+    """``full`` as a horizontal reference line (its fidelity against itself is 1 by definition)."""
+    m = analysis.methods
+    full = m[(m.model == model) & (m.method == "full")].fidelity.dropna()
+    if len(full):
+        ax.axhline(float(full.iloc[0]), color="black", ls="--", lw=1, label=f"full (reference: {note})")
+
+
 def plot_frontier(analysis: Analysis, path: Path) -> Path | None:
+    """Left: fidelity against realised refresh fraction; right: against prefix reads per decode step (keys +
+    values per KV head per layer-step, from the telemetry). ``full`` is the dashed reference line."""
     f = analysis.frontier
+    f = f[f.method != "full"] if not f.empty else f
     if f.empty:
         return None
     models = _models(analysis)
-    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        g = f[f.model == model]
-        sw = g[g.kind == "sweep"].sort_values("refresh_fraction")
+    reads = analysis.methods.set_index(["model", "method"])["reads_per_step"] \
+        if "reads_per_step" in analysis.methods else pd.Series(dtype=float)
+    fig, axes = plt.subplots(len(models), 2, figsize=(14, 5 * len(models)), squeeze=False)
+    for (ax, ax_r), model in zip(axes, models):
+        g = f[f.model == model].copy()
+        g["reads_per_step"] = [reads.get((model, m), np.nan) for m in g.method]
+        sw = g[g.kind == "sweep"]
         fx = g[g.method == FIXED]
         if not fx.empty and not sw.empty:  # the plain `fixed` method is a sweep point too
-            sw = pd.concat([sw, fx]).sort_values("refresh_fraction")
-        if not sw.empty:
-            yerr = [(sw.fidelity - sw.fidelity_ci_low).clip(lower=0), (sw.fidelity_ci_high - sw.fidelity).clip(lower=0)]
-            ax.errorbar(sw.refresh_fraction, sw.fidelity, yerr=yerr, fmt="o-", color="tab:blue", capsize=3,
-                        label="fixed tau sweep")
-            for _, r in sw.iterrows():
-                tau = r.tau if pd.notna(r.tau) else parse_sweep_tau(r.method)
-                if tau is not None and pd.notna(tau):
-                    ax.annotate(f"tau={tau:g}", (r.refresh_fraction, r.fidelity), textcoords="offset points",
-                                xytext=(5, -12), fontsize=8, color="tab:blue")
-        for _, r in g[g.kind != "sweep"].iterrows():
-            if r.method == FIXED and not sw.empty:
-                continue
-            is_rcr = r.method == RCR
-            ax.errorbar([r.refresh_fraction], [r.fidelity],
-                        yerr=[[max(r.fidelity - r.fidelity_ci_low, 0)], [max(r.fidelity_ci_high - r.fidelity, 0)]],
-                        fmt="*" if is_rcr else "s", ms=14 if is_rcr else 6, capsize=3,
-                        color="tab:red" if is_rcr else "tab:gray")
-            ax.annotate(r.method, (r.refresh_fraction, r.fidelity), textcoords="offset points", xytext=(6, 4),
-                        fontsize=9, color="tab:red" if is_rcr else "black")
-        ax.set_xlabel("realised refresh fraction (of layer-steps)")
-        ax.set_ylabel("fidelity (ROUGE-L F1 vs full)")
+            sw = pd.concat([sw, fx])
+        for axis, x, label in ((ax, "refresh_fraction", "realised refresh fraction (of layer-steps)"),
+                               (ax_r, "reads_per_step",
+                                ("prefix reads per decode step (keys + values per KV head per layer; "
+                                 "symlog)"))):
+            if not sw.empty:
+                s_ = sw.sort_values(x)
+                yerr = [(s_.fidelity - s_.fidelity_ci_low).clip(lower=0),
+                        (s_.fidelity_ci_high - s_.fidelity).clip(lower=0)]
+                axis.errorbar(s_[x], s_.fidelity, yerr=yerr, fmt="o-", color="tab:blue", capsize=3,
+                              label="fixed tau sweep")
+                for _, r in s_.iterrows():
+                    tau = r.tau if pd.notna(r.tau) else parse_sweep_tau(r.method)
+                    if tau is not None and pd.notna(tau):
+                        axis.annotate(f"tau={tau:g}", (r[x], r.fidelity), textcoords="offset points",
+                                      xytext=(5, -12), fontsize=8, color="tab:blue")
+            for _, r in g[g.kind != "sweep"].iterrows():
+                if (r.method == FIXED and not sw.empty) or pd.isna(r[x]):
+                    continue
+                is_rcr = r.method == RCR
+                err = [[max(r.fidelity - r.fidelity_ci_low, 0)], [max(r.fidelity_ci_high - r.fidelity, 0)]]
+                axis.errorbar([r[x]], [r.fidelity], yerr=err,
+                              fmt="*" if is_rcr else "s", ms=14 if is_rcr else 6, capsize=3,
+                              color="tab:red" if is_rcr else "tab:gray", label=r.method)
+                axis.annotate(r.method, (r[x], r.fidelity), textcoords="offset points", xytext=(6, 4),
+                              fontsize=9, color="tab:red" if is_rcr else "black")
+            axis.set_xlabel(label)
+            axis.set_ylabel("fidelity (ROUGE-L F1 vs full)")
+            axis.grid(alpha=0.3)
+        _full_reference(ax, analysis, model, "every prefix entry resident, read at every step")
+        _full_reference(ax_r, analysis, model, "reads the whole prefix at every step")
         ax.set_xlim(-0.05, 1.05)
-        ax.set_title(f"{model or 'model'}: cost / quality frontier")
+        ax_r.set_xscale("symlog", linthresh=1.0)
+        ax_r.set_xlim(left=-0.5)  # reads are >= 0; static methods sit at 0
+        ax.set_title(f"{model or 'model'}: cost / quality frontier (refresh fraction)")
+        ax_r.set_title(f"{model or 'model'}: cost / quality frontier (reads per step)")
+        for axis in (ax, ax_r):
+            handles, labels = axis.get_legend_handles_labels()
+            keep = [(h, lb) for h, lb in zip(handles, labels) if lb == "fixed tau sweep" or lb.startswith("full")]
+            if keep:
+                axis.legend(*zip(*keep), loc="lower right", fontsize=8)
+    return _save(fig, path)
+
+
+def plot_fidelity_vs_length(analysis: Analysis, path: Path, n_bins: int = 5) -> Path | None:
+    """Per-sample fidelity against the length of the uncompressed (``full``) output, one series per method:
+    the samples as dots and the mean per length quantile bin as a line."""
+    ps = analysis.per_sample
+    if ps.empty or "output_len_full" not in ps:
+        return None
+    ps = ps[(ps.method != "full") & ps.fidelity.notna() & ps.output_len_full.notna()]
+    if ps.empty:
+        return None
+    models = _models(analysis)
+    fig, axes = plt.subplots(len(models), 1, figsize=(9, 5 * len(models)), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for ax, model in zip(axes[:, 0], models):
+        g = ps[ps.model == model]
+        for i, method in enumerate(order_methods(g.method.unique())):
+            d = g[g.method == method]
+            colour = "tab:red" if method == RCR else cmap(i % 10)
+            ax.scatter(d.output_len_full, d.fidelity, s=10, alpha=0.35, color=colour)
+            bins = pd.qcut(d.output_len_full.rank(method="first"), min(n_bins, len(d)), labels=False)
+            b = d.groupby(bins).agg(x=("output_len_full", "mean"), y=("fidelity", "mean"))
+            ax.plot(b.x, b.y, "o-", color=colour, lw=2.2 if method == RCR else 1.2, ms=4, label=method)
+        ax.set_xlabel("uncompressed (full) output length, tokens")
+        ax.set_ylabel("fidelity (ROUGE-L F1 vs full)")
+        ax.set_ylim(-0.02, 1.05)
+        ax.set_title(f"{model or 'model'}: fidelity against output length (dots: samples; line: mean per "
+                     f"length quantile)")
         ax.grid(alpha=0.3)
-        if not sw.empty:
-            ax.legend(loc="lower right", fontsize=8)
+        ax.legend(fontsize=8, ncol=2, loc="lower left")
     return _save(fig, path)
 
 
@@ -191,12 +254,14 @@ def make_plots(df: pd.DataFrame, analysis: Analysis, out_dir: str | os.PathLike,
                n_samples: int = 4) -> list[Path]:
     """Write all PNGs into ``out_dir`` (one set; per-model panels where it matters). Returns their paths.
 
-    ``df`` is the raw output rows (for the telemetry lists), ``analysis`` from :func:`pipeline.analysis.analyze.analyze`.
+    ``df`` is the raw output rows (for the telemetry lists), ``analysis`` from
+    :func:`pipeline.analysis.analyze.analyze`.
     A plot whose inputs are missing (e.g. no ``rcr`` rows) is skipped, never an error.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [plot_fidelity(analysis, out / "fidelity_ci.png"), plot_frontier(analysis, out / "frontier.png")]
+    paths = [plot_fidelity(analysis, out / "fidelity_ci.png"), plot_frontier(analysis, out / "frontier.png"),
+             plot_fidelity_vs_length(analysis, out / "fidelity_vs_length.png")]
     models = _models(analysis)
     for model in models:
         suffix = "" if len(models) == 1 else f"_{_slug(model)}"

@@ -12,18 +12,20 @@
   References come from an optional ``<name>.txt`` next to the entry (one reference per line) or a
   ``references.json`` mapping ``name -> [str, ...]``.
 
-Where the data comes from, in order: ``local_path`` (a Parquet file, a directory of Parquet files such as
-a ``huggingface-cli download --local-dir`` snapshot, or a ``datasets.save_to_disk`` directory of Arrow
-files); otherwise the Hugging Face Hub via ``huggingface_hub.hf_hub_download`` at the pinned revision,
-which also finds files already in the local hub cache (``HF_HUB_CACHE`` / ``cache_dir``) when offline.
-With no network and nothing cached, ``OfflineError`` says so in one line and names ``--local-path``.
+Where the data comes from, always read with Hugging Face ``datasets`` (``pipeline/data/hf_datasets.py``):
+``local_path`` (a Parquet file, a directory of Parquet files such as a ``huggingface-cli download
+--local-dir`` snapshot, or a ``datasets.save_to_disk`` directory); otherwise ``datasets.load_dataset`` on
+the Hub at the pinned revision (``streaming=True`` on request), which works offline from the ``datasets``
+cache or the hub cache. With no network and nothing cached, ``OfflineError`` says so in one line and
+names ``--local-path``.
 
 ``limit`` + ``seed`` pick a fixed random subset (the same rows for the same seed), kept in source order.
 """
 
 from __future__ import annotations
 
-import base64
+import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -31,16 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
+from pipeline.data import hf_datasets as hf
+from pipeline.data.hf_datasets import OfflineError  # noqa: F401 - part of this module's interface
 from pipeline.data.images import decode_image, encode_image, to_rgb
 from pipeline.data.shards import DataError
 from rcr.models import PROMPTS  # the one copy of the task prompts
-
-
-class OfflineError(RuntimeError):
-    """The dataset cannot be fetched (no network, nothing cached) and no local copy was given."""
 
 
 @dataclass(frozen=True)
@@ -86,96 +84,57 @@ TEXTCAPS = HubSource(
 SOURCES = {"detailcaps": DETAILCAPS, "textcaps": TEXTCAPS}
 
 
-# ------------------------------------------------------------------------------------------- locate
-def _local_files(local_path: Path, src: HubSource) -> list[Path]:
-    if not local_path.exists():
-        raise DataError(f"--local-path {local_path}: no such file or directory")
-    if local_path.is_file():
-        return [local_path]
-    # a save_to_disk directory (possibly a DatasetDict with one folder per split)
-    for d in (local_path / src.split, local_path):
-        arrows = sorted(d.glob("data-*.arrow"))
-        if arrows and (d / "state.json").exists():
-            return arrows
-    parquet = sorted(p for p in local_path.rglob("*.parquet") if not any(s.startswith(".") for s in p.parts))
-    if not parquet:
-        raise DataError(f"--local-path {local_path}: no .parquet files and no datasets.save_to_disk layout "
-                        f"(state.json + data-*.arrow) found for {src.repo_id} split {src.split!r}")
-    # prefer the files of the requested split when the snapshot holds several splits
-    names = {Path(f).name for f in src.files}
-    exact = [p for p in parquet if p.name in names]
-    if exact:
-        return exact
-    split = [p for p in parquet if p.name.startswith(f"{src.split}-") or p.parent.name == src.split]
-    return split or parquet
+# ------------------------------------------------------------------------------------------- --dataset
+@dataclass(frozen=True)
+class NamedDataset:
+    """A job's ``--dataset NAME[:split]``: the task's source (with the split) and, for a local copy, its path."""
+
+    source: HubSource
+    local_path: str | None
+
+    def cache_name(self) -> str:
+        """A directory name that changes when the data can: the pinned revision for the Hub, else a hash of the
+        local files' paths, sizes and modification times."""
+        src = self.source
+        if self.local_path is None:
+            return f"{src.name}-{src.split}-{src.revision[:10]}"
+        root = Path(self.local_path)
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        h = hashlib.sha256(f"{root}\0{src.split}".encode())
+        for f in files:
+            st = f.stat()
+            h.update(f"\0{f.relative_to(root) if f != root else f.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        return f"{src.name}-{src.split}-local-{h.hexdigest()[:12]}"
+
+    def records(self) -> Iterator[dict]:
+        """Every sample of the dataset in the input schema, in source order."""
+        return convert_hub(self.source, self.local_path)
 
 
-def locate(src: HubSource, local_path: str | os.PathLike | None = None, cache_dir: str | None = None,
-           revision: str | None = None) -> list[Path]:
-    """Files to read for ``src``: from ``local_path`` or from the Hub (or its local cache)."""
-    if local_path is not None:
-        return _local_files(Path(local_path), src)
-    try:
-        from huggingface_hub import hf_hub_download
-    except ImportError as e:  # pragma: no cover - transformers depends on huggingface_hub
-        raise OfflineError(f"huggingface_hub is not installed; pass --local-path with a local copy of "
-                           f"{src.repo_id}") from e
-    out = []
-    for f in src.files:
-        try:
-            out.append(Path(hf_hub_download(src.repo_id, f, repo_type="dataset", revision=revision or src.revision,
-                                            cache_dir=cache_dir)))
-        except Exception as e:  # noqa: BLE001 - network errors come in many types; all mean the same here
-            raise OfflineError(
-                f"cannot download {src.repo_id}@{(revision or src.revision)[:10]} file {f} (no network? "
-                f"{type(e).__name__}); download it where there is a network and pass --local-path <file or dir>"
-            ) from None
-    return out
-
-
-# ------------------------------------------------------------------------------------------- read
-def _open_table(path: Path, columns: list[str] | None = None) -> pa.Table:
-    try:
-        if path.suffix == ".arrow":
-            with pa.memory_map(str(path)) as f:
-                try:
-                    t = pa.ipc.open_stream(f).read_all()
-                except pa.ArrowInvalid:
-                    f.seek(0)
-                    t = pa.ipc.open_file(f).read_all()
-            return t.select(columns) if columns else t
-        return pq.read_table(path, columns=columns)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from e
-    except KeyError as e:
-        raise DataError(f"{path}: missing column {e}") from e
-
-
-def _columns(path: Path) -> list[str]:
-    if path.suffix == ".arrow":
-        return _open_table(path).column_names
-    try:
-        return pq.ParquetFile(path).schema_arrow.names
-    except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from e
-
-
-def _image_bytes(value, where: str) -> bytes:
-    """Encoded image bytes from a binary cell, a datasets Image struct or a base64 string."""
-    if isinstance(value, dict):
-        if value.get("bytes"):
-            return value["bytes"]
-        if value.get("path") and Path(value["path"]).exists():
-            return Path(value["path"]).read_bytes()
-        raise DataError(f"{where}: image struct has neither bytes nor a readable path")
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, str):
-        try:
-            return base64.b64decode(value, validate=True)
-        except ValueError as e:
-            raise DataError(f"{where}: image is a string but not base64 ({e})") from e
-    raise DataError(f"{where}: expected image bytes, got {type(value).__name__}")
+def parse_dataset(spec: str, task: str) -> NamedDataset:
+    """``NAME[:split]`` -> :class:`NamedDataset`. NAME is the task's Hugging Face dataset (its repo id, or the
+    task name) read at the pinned revision, or a local copy of it (a ``save_to_disk`` directory, or a Parquet
+    file or folder laid out like the Hub's). The split defaults to the pinned one; another split is found by
+    ``datasets`` from the dataset's own layout. Rows map to the input schema with the task's converter, so
+    only the datasets this module converts are accepted."""
+    src = SOURCES.get(task)
+    if src is None:
+        raise DataError(f"task '{task}' has no Hugging Face source (have: {', '.join(SOURCES)}); convert the "
+                        "data with jobs/prepare_data.py and pass --shards")
+    name, split = spec, None
+    head, sep, tail = spec.rpartition(":")
+    if sep and head and tail and "/" not in tail:
+        name, split = head, tail
+    local = None
+    if name not in (src.repo_id, src.name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise DataError(f"'{name}' is neither {src.repo_id} (or '{src.name}') nor a local file or directory; "
+                            f"task {task} reads {src.repo_id} or a local copy of it")
+        local = str(path.resolve())
+    if split is not None and split != src.split:
+        src = dataclasses.replace(src, split=split, files=())  # the pinned files belong to the pinned split
+    return NamedDataset(src, local)
 
 
 def _refs(values, where: str) -> list[str]:
@@ -203,64 +162,73 @@ def pick_subset(n: int, limit: int | None, seed: int) -> list[int]:
 
 
 def convert_hub(src: HubSource, local_path=None, limit: int | None = None, seed: int = 0, cache_dir=None,
-                revision: str | None = None, check_images: bool = True) -> Iterator[dict]:
-    """Yield input-schema records for a Hub dataset (DetailCaps or TextCaps)."""
-    files = locate(src, local_path, cache_dir, revision)
+                revision: str | None = None, streaming: bool = False) -> Iterator[dict]:
+    """Yield input-schema records for a Hub dataset (DetailCaps or TextCaps), read with ``datasets``
+    (``pipeline/data/hf_datasets.py``). ``streaming``: the first ``limit`` samples of the stream, no subset."""
+    rev = revision or src.revision
+    if local_path is not None:
+        ds, where = hf.open_local(local_path, src.split, src.files, streaming), str(local_path)
+    else:
+        ds, where = hf.open_hub(src.repo_id, rev, src.split, src.files, cache_dir, streaming), src.repo_id
     need = [src.image_column, *src.reference_columns] + ([src.id_column] if src.id_column else [])
-    for f in files:
-        cols = _columns(f)
-        for c in need:
-            if c not in cols:
-                raise DataError(f"{f}: missing column '{c}' expected in {src.repo_id} (have: {', '.join(cols)})")
-    # pass 1: ids and references of every row (cheap columns), to group and subsample
-    meta = []  # (file index, row in file, id, refs)
-    for fi, f in enumerate(files):
-        t = _open_table(f, [*src.reference_columns] + ([src.id_column] if src.id_column else []))
-        ref_cols = [t.column(c).to_pylist() for c in src.reference_columns]
-        ids = t.column(src.id_column).to_pylist() if src.id_column else None
-        for r in range(t.num_rows):
-            where = f"{f} row {r}"
-            refs = _refs([col[r] for col in ref_cols], where)
-            meta.append((fi, r, ids[r] if ids else None, refs))
-    # group rows by id (TextCaps: several caption rows per image); order of first appearance
-    groups: dict = {}
-    for k, (fi, r, sid, refs) in enumerate(meta):
-        key = sid if sid is not None else k
+    cols = list(ds.column_names or ds.features or [])
+    for c in need:
+        if c not in cols:
+            raise DataError(f"{where}: missing column '{c}' expected in {src.repo_id} (have: {', '.join(cols)})")
+    ds = hf.with_image_column(ds.select_columns(need), src.image_column, where)
+
+    def record(key, image, refs) -> dict:
+        sid = f"{src.name}-{key}" if src.id_column else f"{src.name}-{key:05d}"
+        return {"sample_id": sid, "task": src.task, "prompt": src.prompt, "images": [image], "references": refs,
+                "source": f"{src.repo_id}@{rev[:10]}:{src.split}"}
+
+    def key_of(r: int, row: dict):
+        return row[src.id_column] if src.id_column else r
+
+    if streaming:  # one pass; rows of one id (TextCaps) are merged while they are adjacent in the stream
+        pending = None
+        n = 0
+        for r, row in enumerate(ds):
+            key, refs = key_of(r, row), _refs([row[c] for c in src.reference_columns], f"{where} row {r}")
+            if pending is not None and pending[0] == key:
+                pending[2].extend(x for x in refs if x not in pending[2])
+                continue
+            if pending is not None:
+                yield record(*pending)
+                n += 1
+            if limit is not None and n >= limit:
+                return
+            img = hf.image_bytes(row[src.image_column], f"{where} row {r} column '{src.image_column}'")
+            pending = (key, img, list(refs))
+        if pending is not None:
+            yield record(*pending)
+        return
+    # pass 1: ids and references of every row (no image decoding), to group and subsample
+    meta = ds.select_columns([c for c in need if c != src.image_column]).to_list()
+    groups: dict = {}  # key -> (first row, references); TextCaps: several caption rows per image
+    for r, row in enumerate(meta):
+        key, refs = key_of(r, row), _refs([row[c] for c in src.reference_columns], f"{where} row {r}")
         if key in groups:
             groups[key][1].extend(x for x in refs if x not in groups[key][1])
         else:
-            groups[key] = ((fi, r), list(refs))
+            groups[key] = (r, list(refs))
     keys = list(groups)
     chosen = [keys[i] for i in pick_subset(len(keys), limit, seed)]
-    # pass 2: images of the chosen rows only, file by file
-    by_file: dict[int, list] = {}
-    for key in chosen:
-        (fi, r), _ = groups[key]
-        by_file.setdefault(fi, []).append((r, key))
-    records = {}
-    for fi, rows in by_file.items():
-        f = files[fi]
-        col = _open_table(f, [src.image_column]).column(src.image_column)
-        for r, key in rows:
-            where = f"{f} row {r} column '{src.image_column}'"
-            data = _image_bytes(col[r].as_py(), where)
-            if check_images:
-                decode_image(data, where)
-            sid = f"{src.name}-{key}" if src.id_column else f"{src.name}-{key:05d}"
-            records[key] = {
-                "sample_id": sid, "task": src.task, "prompt": src.prompt, "images": [data],
-                "references": groups[key][1], "source": f"{src.repo_id}@{(revision or src.revision)[:10]}:{src.split}",
-            }
-    for key in chosen:
-        yield records[key]
+    # pass 2: images of the chosen rows only, decoded by datasets.Image
+    rows = [groups[k][0] for k in chosen]
+    images = ds.select(rows)[src.image_column] if rows else []
+    for key, r, image in zip(chosen, rows, images):
+        yield record(key, hf.image_bytes(image, f"{where} row {r} column '{src.image_column}'"), groups[key][1])
 
 
-def convert_detailcaps(local_path=None, limit=None, seed=0, cache_dir=None, revision=None) -> Iterator[dict]:
-    return convert_hub(DETAILCAPS, local_path, limit, seed, cache_dir, revision)
+def convert_detailcaps(local_path=None, limit=None, seed=0, cache_dir=None, revision=None,
+                       streaming=False) -> Iterator[dict]:
+    return convert_hub(DETAILCAPS, local_path, limit, seed, cache_dir, revision, streaming)
 
 
-def convert_textcaps(local_path=None, limit=None, seed=0, cache_dir=None, revision=None) -> Iterator[dict]:
-    return convert_hub(TEXTCAPS, local_path, limit, seed, cache_dir, revision)
+def convert_textcaps(local_path=None, limit=None, seed=0, cache_dir=None, revision=None,
+                     streaming=False) -> Iterator[dict]:
+    return convert_hub(TEXTCAPS, local_path, limit, seed, cache_dir, revision, streaming)
 
 
 # ------------------------------------------------------------------------------------------- videos

@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.schema import METHOD_ORDER, TASKS
+from rcr.embedded import model_dir as embedded_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = "embedded"
-EMBEDDED_MODEL_DIR = REPO_ROOT / "assets" / "embedded" / "model"
+EMBEDDED_MODEL_DIR = embedded_model_dir()  # package data of rcr: rcr/embedded_model/
 
 DEFAULT_MAX_NEW_TOKENS = {"detailcaps": 512, "textcaps": 64, "video": 128}
 MAX_NEW_TOKENS_LIMIT = 8192
@@ -59,6 +60,7 @@ class JobConfig:
     task: str = "detailcaps"
     model: str = EMBEDDED  # "embedded", a local checkpoint dir, or a supported hub id
     shards: list[str] = field(default_factory=lambda: [EMBEDDED])  # parquet files, dirs or globs; "embedded"
+    dataset: str | None = None  # instead of shards: "NAME[:split]", the task's HF dataset or a local copy of it
     methods: list[str] = field(default_factory=lambda: ["all"])  # "all": every method the core provides
     max_new_tokens: int | None = None  # None: 512 detailcaps, 64 textcaps, 128 video
     limit: int | None = None  # first N input rows, in shard order
@@ -165,6 +167,8 @@ class JobConfig:
             raise ConfigError("engine", f"must be 'rcr' or 'module:Class', got {self.engine!r}")
         self.methods = _as_list("methods", self.methods)
         self.shards = _as_list("shards", self.shards)
+        if self.dataset is not None:
+            self.dataset = validate_dataset(self.dataset, self.task, self.shards)
         self.methods = validate_methods(self.methods)
         validate_model(self.model)
         self.rcr = validate_rcr(self.rcr)
@@ -225,6 +229,22 @@ def _as_list(name: str, value: Any) -> list[str]:
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
         raise ConfigError(name, f"must be a non-empty list of strings, got {value!r}")
     return list(value)
+
+
+def validate_dataset(spec: Any, task: str, shards: list[str]) -> str:
+    """``--dataset NAME[:split]``: one the task's converter reads (``pipeline/data/convert.py``), not with --shards."""
+    from pipeline.data.convert import parse_dataset
+    from pipeline.data.shards import DataError
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("dataset", f"must be NAME[:split], got {spec!r}")
+    if shards != [EMBEDDED]:
+        raise ConfigError("dataset", "give --dataset or --shards, not both")
+    try:
+        parse_dataset(spec.strip(), task)
+    except DataError as e:
+        raise ConfigError("dataset", str(e)) from None
+    return spec.strip()
 
 
 def available_methods() -> list[str]:
@@ -335,42 +355,70 @@ def _parse_kv_list(items: list[str]) -> dict[str, Any]:
 
 
 def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
+    """Flags default to None so that a ``--config`` file's values win over unset flags; each help text
+    states the real default (what :meth:`JobConfig.validate` fills in)."""
     what = task or "the"
+    runs = default_runs_root()
+    d = JobConfig()
+    tokens = ", ".join(f"{t} {n}" for t, n in DEFAULT_MAX_NEW_TOKENS.items() if task in (None, t))
     p = argparse.ArgumentParser(
         description=f"Run {what} evaluation job: every method on every sample, one Parquet row per (sample, method).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--config", help="YAML file of JobConfig fields; flags override it")
+    p.add_argument("--config", help="YAML file of JobConfig fields; flags override it (default: none)")
     if task is None:
-        p.add_argument("--task", choices=TASKS)
-    p.add_argument("--model", help="'embedded' (default), a local checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct")
-    p.add_argument("--shards", nargs="+",
-                   help="Parquet shard files/dirs/globs in the input schema; 'embedded' (default)")
-    p.add_argument("--methods", help="comma-separated method labels, or 'all' (default): "
+        p.add_argument("--task", choices=TASKS, help=f"which task (default: {d.task})")
+    p.add_argument("--model", help="'embedded' (the small synthetic-scene model shipped in rcr/embedded_model), "
+                   "a local checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct (default: embedded)")
+    p.add_argument("--shards", nargs="+", help="Parquet shard files/dirs/globs in the input schema, or 'embedded': "
+                   f"the synthetic shards, generated once under {runs / 'shards'} (default: embedded)")
+    p.add_argument("--dataset", help="instead of --shards: NAME[:split], the task's Hugging Face dataset by name "
+                   "(foundation-multimodal-models/DetailCaps-4870, lmms-lab/TextCaps, or the task name) at its "
+                   "pinned revision, or a local save_to_disk directory or Parquet file/folder of it; converted in "
+                   f"full once, into {runs / 'datasets'} (default: none; the split defaults to the pinned one)")
+    p.add_argument("--methods", help="comma-separated method labels, or 'all': "
                    f"{', '.join(available_methods())}; 'fixed@TAU' runs fixed with that tau "
-                   "(e.g. fixed@0.05,fixed@0.10 for a sweep); full is always run")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
-    p.add_argument("--limit", type=int, help="first N input rows")
-    p.add_argument("--batch-size", dest="batch_size", type=int)
-    p.add_argument("--num-actors", dest="num_actors", type=int)
-    p.add_argument("--output-dir", dest="output_dir", help="default ~/rcr-runs/<job name>")
-    p.add_argument("--mlflow-uri", dest="mlflow_uri", help="default sqlite:///~/rcr-runs/mlflow.db")
-    p.add_argument("--experiment")
-    p.add_argument("--job-name", dest="job_name")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--gpus-per-actor", dest="gpus_per_actor", type=float)
-    p.add_argument("--cpus-per-actor", dest="cpus_per_actor", type=float)
-    p.add_argument("--torch-threads", dest="torch_threads", type=int)
-    p.add_argument("--max-restarts", dest="max_restarts", type=int)
-    p.add_argument("--max-task-retries", dest="max_task_retries", type=int)
-    p.add_argument("--max-image-pixels", dest="max_image_pixels", type=int)
-    p.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None)
-    p.add_argument("--rcr", action="append", metavar="KEY=VALUE", help="an rcr.RCRConfig field (repeatable)")
+                   "(e.g. fixed@0.05,fixed@0.10 for a sweep); full is always run (default: all)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int,
+                   help=f"generated tokens per sample and method, at most (default: {tokens})")
+    p.add_argument("--limit", type=int, help="first N input rows, in shard order (default: every row)")
+    p.add_argument("--batch-size", dest="batch_size", type=int,
+                   help=f"samples per model call (left-padded) and per Ray batch (default: {d.batch_size})")
+    p.add_argument("--num-actors", dest="num_actors", type=int,
+                   help=f"model actors, each holding one copy of the model (default: {d.num_actors})")
+    p.add_argument("--output-dir", dest="output_dir",
+                   help=f"Parquet output directory (default: {runs}/<job name>)")
+    p.add_argument("--mlflow-uri", dest="mlflow_uri",
+                   help=f"MLflow tracking URI (default: sqlite:///{runs / 'mlflow.db'})")
+    p.add_argument("--experiment", help=f"MLflow experiment (default: {d.experiment})")
+    p.add_argument("--job-name", dest="job_name", help="names the output dir and the MLflow parent run "
+                   "(default: <task>-<model name>, e.g. detailcaps-embedded)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                   help=f"where each actor runs the model; auto: cuda when the actor has a GPU (default: {d.device})")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help=f"model dtype; auto: bfloat16 on GPU, float32 on CPU (default: {d.dtype})")
+    p.add_argument("--gpus-per-actor", dest="gpus_per_actor", type=float,
+                   help="GPUs per actor (default: 1 where the cluster has GPUs, else 0)")
+    p.add_argument("--cpus-per-actor", dest="cpus_per_actor", type=float,
+                   help="CPUs per actor (default: 1 with GPUs; on CPU-only clusters what leaves 1 CPU for the readers)")
+    p.add_argument("--torch-threads", dest="torch_threads", type=int,
+                   help="torch threads per actor (default: 1 on CPU, 4 with a GPU)")
+    p.add_argument("--max-restarts", dest="max_restarts", type=int,
+                   help=f"restarts of a dead actor, -1 unlimited (default: {d.max_restarts})")
+    p.add_argument("--max-task-retries", dest="max_task_retries", type=int,
+                   help=f"retries of a batch whose actor died (default: {d.max_task_retries})")
+    p.add_argument("--max-image-pixels", dest="max_image_pixels", type=int,
+                   help=f"larger images become error rows (decompression-bomb guard) (default: {d.max_image_pixels})")
+    p.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None,
+                   help="allow a hub model's own code (default: off)")
+    p.add_argument("--rcr", action="append", metavar="KEY=VALUE",
+                   help="an rcr.RCRConfig field, repeatable (default: the paper's values, and record_attention=true)")
     p.add_argument("--ray-address", dest="ray_address",
-                   help="default: the cluster of `ray job submit`, else a private local Ray; "
-                   "'auto' joins a running one")
-    p.add_argument("--engine", help="model backend: 'rcr' (default) or module:Class (tests, other backends)")
-    p.add_argument("--progress-every-s", dest="progress_every_s", type=float)
-    p.add_argument("--no-summary", dest="summary", action="store_false", default=None)
+                   help="Ray cluster to join; 'auto' joins a running one (default: the cluster of `ray job submit`, "
+                        "else a private local Ray)")
+    p.add_argument("--engine",
+                   help=f"model backend: 'rcr' or module:Class (tests, other backends) (default: {d.engine})")
+    p.add_argument("--progress-every-s", dest="progress_every_s", type=float,
+                   help=f"seconds between progress lines (default: {d.progress_every_s:g})")
+    p.add_argument("--no-summary", dest="summary", action="store_false", default=None,
+                   help="skip the per-method summary and the MLflow logging at the end (default: both run)")
     return p

@@ -23,24 +23,27 @@ Steps:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from pipeline import preflight
+from pipeline import preflight, quiet
 from pipeline.analysis import report, tracking
 from pipeline.analysis.analyze import analyze
-from pipeline.data import shards, synthetic
+from pipeline.data import convert, shards, synthetic
 from pipeline.run.actor import METHODS_COLUMN, SampleEvaluator
 from pipeline.run.config import (
     EMBEDDED,
     REPO_ROOT,
     ConfigError,
     JobConfig,
+    default_runs_root,
 )
 from pipeline.run.store import (
     OutputStore,
@@ -71,9 +74,8 @@ def embedded_shards(task: str) -> list[str]:
     if shipped.is_dir() and any(shipped.glob("*.parquet")):
         return [str(shipped)]
     # keyed on the scene layout: shards cached for an earlier embedded model's layout are never reused
-    runs = Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve()
     layout = synthetic.DEFAULT_LAYOUT
-    cache = runs / "shards" / layout / task
+    cache = default_runs_root() / "shards" / layout / task
     if not (cache / shards.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
         write_embedded_shards(task, cache, layout=layout)
     return [str(cache)]
@@ -85,8 +87,28 @@ def write_embedded_shards(task: str, out_dir: Path, n: int | None = None, layout
     shards.write_synthetic_shards(task=task, out_dir=str(out_dir), n=n, layout=layout)
 
 
+def dataset_shards(spec: str, task: str) -> list[str]:
+    """``--dataset``: the named dataset converted in full once, by the task's converter, into input shards under
+    ``~/rcr-runs/datasets/`` (a new revision, split or changed local copy gets its own directory). The job
+    then streams them like any shards: resume and ``limit`` work on their sample ids."""
+    named = convert.parse_dataset(spec, task)
+    cache = default_runs_root() / "datasets" / named.cache_name()
+    if not (cache / shards.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
+        say(f"converting {spec} to input shards in {cache} (once)")
+        try:
+            shards.write_shards(named.records(), cache, prefix=named.source.name)
+        except convert.OfflineError as e:
+            raise ConfigError("dataset", f"{e} (for a job: --dataset <that file or dir>)") from None
+        except shards.DataError as e:
+            raise ConfigError("dataset", str(e)) from None
+    return [str(cache)]
+
+
 def plan_job(cfg: JobConfig, store: OutputStore) -> tuple[list[str], Plan]:
-    specs = embedded_shards(cfg.task) if cfg.shards == [EMBEDDED] else cfg.shards
+    if cfg.dataset is not None:
+        specs = dataset_shards(cfg.dataset, cfg.task)
+    else:
+        specs = embedded_shards(cfg.task) if cfg.shards == [EMBEDDED] else cfg.shards
     paths = resolve_shards(specs)
     rows, dup_accept = scan_shards(paths, cfg.limit)
     if not rows:
@@ -119,9 +141,9 @@ def _ray_init(cfg: JobConfig):
     if ray.is_initialized():
         return ray
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address, log_to_driver=True)
+        ray.init(address=cfg.ray_address, log_to_driver=True, logging_level=quiet.RAY_LOGGING_LEVEL)
     elif os.environ.get("RAY_ADDRESS"):  # inside `ray job submit`: the job's cluster
-        ray.init(log_to_driver=True)
+        ray.init(log_to_driver=True, logging_level=quiet.RAY_LOGGING_LEVEL)
     else:  # a plain `python jobs/x.py`: a private in-process cluster on 127.0.0.1
         if "RAY_AUTH_MODE" not in os.environ and not os.environ.get("RAY_AUTH_TOKEN"):
             # Ray >= 2.52 turns token auth on for a new local cluster and, without a token, writes one to
@@ -131,6 +153,7 @@ def _ray_init(cfg: JobConfig):
 
             os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True,
+                 logging_level=quiet.RAY_LOGGING_LEVEL,
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                      p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}})
     return ray
@@ -171,23 +194,25 @@ def actor_resources(cfg: JobConfig, cluster: dict[str, float]) -> dict[str, floa
 def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: dict[str, float]):
     ctx = ray.data.DataContext.get_current()
     ctx.max_errored_blocks = 0
+    quiet.quiet_ray_data(ctx)  # the job prints its own progress line (_Progress)
     ds = ray.data.read_parquet(paths, columns=list(INPUT_SCHEMA.names), num_cpus=READER_CPUS)
     ds = ds.map_batches(_select, fn_kwargs={"todo": plan.todo, "dup_accept": plan.dup_accept},
                         batch_format="pyarrow", batch_size=None, num_cpus=READER_CPUS)
     ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
     actor_cfg = cfg.to_dict()
     actor_cfg["torch_threads"] = res["torch_threads"]
-    ds = ds.map_batches(
-        SampleEvaluator,
-        fn_constructor_kwargs={"config": actor_cfg, "config_hash": cfg.config_hash},
-        batch_size=cfg.batch_size,
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
-        num_gpus=res["num_gpus"],
-        num_cpus=res["num_cpus"],
-        max_restarts=cfg.max_restarts,
-        max_task_retries=cfg.max_task_retries,
-    )
+    with quiet.actor_fault_tolerance():
+        ds = ds.map_batches(
+            SampleEvaluator,
+            fn_constructor_kwargs={"config": actor_cfg, "config_hash": cfg.config_hash},
+            batch_size=cfg.batch_size,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
+            num_gpus=res["num_gpus"],
+            num_cpus=res["num_cpus"],
+            max_restarts=cfg.max_restarts,
+            max_task_retries=cfg.max_task_retries,
+        )
     return ds
 
 
@@ -195,6 +220,10 @@ def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: dict[
 
 
 class _Progress:
+    """The job's one progress line: on every part written when ``every_s`` has passed, and from a heartbeat
+    thread (:meth:`heartbeat`) every ``every_s`` while the model stage runs, so the cadence stays steady
+    when rows arrive in bursts."""
+
     def __init__(self, total_pairs: int, total_samples: int, every_s: float):
         self.total_pairs, self.total_samples, self.every_s = total_pairs, total_samples, every_s
         self.pairs = 0
@@ -202,13 +231,36 @@ class _Progress:
         self.errors = 0
         self.t0 = time.perf_counter()
         self.last = 0.0
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def heartbeat(self):
+        stop = threading.Event()
+
+        def beat():
+            while not stop.wait(self.every_s):
+                self.report()
+
+        t = threading.Thread(target=beat, name="rcr-progress", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
 
     def update(self, table: pa.Table, force: bool = False) -> None:
-        self.pairs += table.num_rows
-        self.samples.update(table.column("sample_id").to_pylist())
-        self.errors += table.num_rows - table.column("error").null_count
-        now = time.perf_counter()
-        if force or now - self.last >= self.every_s or self.pairs >= self.total_pairs:
+        with self.lock:
+            self.pairs += table.num_rows
+            self.samples.update(table.column("sample_id").to_pylist())
+            self.errors += table.num_rows - table.column("error").null_count
+        self.report(force=force or self.pairs >= self.total_pairs)
+
+    def report(self, force: bool = False) -> None:
+        with self.lock:
+            now = time.perf_counter()
+            if not force and now - self.last < self.every_s * 0.99:
+                return
             self.last = now
             el = now - self.t0
             rate = len(self.samples) / el if el > 0 else 0.0
@@ -288,8 +340,9 @@ def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) ->
         f"torch threads {res['torch_threads']}), batch size {cfg.batch_size}")
     ds = _build_dataset(ray, cfg, paths, plan, res)
     try:
-        for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            writer.write(block)
+        with writer.progress.heartbeat():
+            for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                writer.write(block)
     except Exception as e:  # noqa: BLE001 - record, report, and exit non-zero below
         error = f"{type(e).__name__}: {e}"
         say(f"the Ray pipeline failed: {error}")
@@ -300,6 +353,7 @@ def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) ->
 def run(cfg: JobConfig) -> dict[str, Any]:
     """Run one job to completion (or to the first unrecoverable failure). Returns a report dict."""
     t_start = time.perf_counter()
+    quiet.quiet_driver_logging()
     store = OutputStore(cfg.output_dir)
     paths, plan = plan_job(cfg, store)
     preflight.check(cfg)  # model and device: one line and exit code 2, before anything is written or Ray starts

@@ -1,4 +1,4 @@
-"""The shipped embedded model (assets/embedded/model) and the training script that builds it."""
+"""The shipped embedded model (rcr/embedded_model) and the training script that builds it."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ from jobs import train_embedded as T
 from pipeline.analysis.text_metrics import rouge_l_f1
 from pipeline.data import synthetic as S
 from pipeline.run.config import DEFAULT_MAX_NEW_TOKENS
-
-REPO = Path(__file__).resolve().parents[2]
+from rcr.embedded import model_dir
 
 # RCR_EMBEDDED_MODEL lets a candidate (e.g. runs/train_embedded/final) be checked before it is shipped
-MODEL_DIR = Path(os.environ.get("RCR_EMBEDDED_MODEL", REPO / "assets" / "embedded" / "model"))
+MODEL_DIR = Path(os.environ.get("RCR_EMBEDDED_MODEL", model_dir()))
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from rcr.embedded import model_dir
 from tests.pipeline_helpers import (
     REPO,
     LocalRayHead,
@@ -32,7 +33,7 @@ from tests.pipeline_helpers import (
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
-EMBEDDED_MODEL = REPO / "assets" / "embedded" / "model"
+EMBEDDED_MODEL = model_dir()
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,13 @@ def textcaps_table(ids) -> pa.Table:
     })
 
 
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
+
+
 # ------------------------------------------------------------------------------------- DetailCaps
 def test_detailcaps_local_parquet(tmp_path):
     f = tmp_path / "DetailCaps-4870.parquet"
@@ -151,16 +158,13 @@ def test_textcaps_snapshot_dir_groups_captions(tmp_path):
 
 
 def test_textcaps_save_to_disk_layout(tmp_path):
-    """datasets.save_to_disk: data-*.arrow (IPC stream) + state.json (+ dataset_info.json)."""
-    d = tmp_path / "textcaps_val"
-    d.mkdir()
+    """A real datasets.save_to_disk directory (DatasetDict with the `val` split), read with load_from_disk."""
+    import datasets
+
     t = textcaps_table(["x", "y", "z"])
-    with pa.OSFile(str(d / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as w:
-        w.write_table(t)
-    (d / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}],
-                                              "_split": "val"}))
-    (d / "dataset_info.json").write_text("{}")
-    recs = list(convert.convert_textcaps(local_path=d))
+    datasets.DatasetDict({"val": datasets.Dataset(t), "train": datasets.Dataset(textcaps_table(["q"]))}
+                         ).save_to_disk(str(tmp_path / "textcaps"))
+    recs = list(convert.convert_textcaps(local_path=tmp_path / "textcaps"))
     assert [r["sample_id"] for r in recs] == ["textcaps-x", "textcaps-y", "textcaps-z"]
 
 

@@ -1,0 +1,60 @@
+"""Keep a job's output to its own lines: Ray's informational messages stay in Ray's session logs.
+
+* Ray Data: its progress display is off (the job prints its own progress line at a steady cadence), and its
+  console handler shows warnings and errors only; everything still goes to
+  ``<session>/logs/ray-data/ray-data.log``.
+* The driver's ``ray`` loggers: warnings and errors only (``ray.init(logging_level=...)``), minus the notice
+  that a private local cluster uses token authentication (the driver turns it on on purpose).
+* MLflow's notices that it creates or upgrades the tables of a new SQLite store (its INFO lines).
+* The map stage's actor fault-tolerance options (``max_restarts``, ``max_task_retries``) have no named
+  parameter in Ray 2.60's ``map_batches``; only that one ``RayDeprecationWarning`` is filtered, around that
+  call (:func:`actor_fault_tolerance`). Revisit when Ray 2.64 removes ``**ray_remote_args``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+RAY_LOGGING_LEVEL = logging.WARNING
+TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+PROGRESS_OFF_NOTICE = "Progress bars disabled"
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_driver_logging() -> None:
+    """At the start of a job: drop the token-authentication notice of the private local cluster and MLflow's
+    store-creation notices. Idempotent."""
+    token = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropMessage) for f in token.filters):
+        token.addFilter(_DropMessage(TOKEN_NOTICE))
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+
+
+def quiet_ray_data(ctx) -> None:
+    """No Ray Data progress display; its console handler at WARNING (its log file keeps every record)."""
+    ctx.enable_progress_bars = False
+    ctx.enable_operator_progress_bars = False
+    for h in logging.getLogger("ray.data").handlers:
+        if h.get_name() == "console":
+            h.setLevel(logging.WARNING)
+            if not any(isinstance(f, _DropMessage) for f in h.filters):
+                h.addFilter(_DropMessage(PROGRESS_OFF_NOTICE))  # we turned them off on purpose
+
+
+@contextlib.contextmanager
+def actor_fault_tolerance():
+    """Around ``map_batches(..., max_restarts=, max_task_retries=)``: those two have no named parameter in
+    Ray 2.60, so passing them raises the ``ray_remote_args`` deprecation warning; filter exactly that one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`ray_remote_args` is deprecated", category=DeprecationWarning)
+        yield

@@ -40,6 +40,7 @@ from pipeline.config import (
 )
 from pipeline.io import (
     OutputStore,
+    PartWriteError,
     Plan,
     fingerprint_row,
     make_plan,
@@ -51,6 +52,7 @@ from pipeline.io import (
 
 READER_CPUS = 0.25  # read/select tasks are light; small CPU requests keep them schedulable beside the actors
 DATA_RESERVE_CPUS = 1.0  # Ray Data's file-listing task asks for 1 CPU; CPU-only actors leave room for it
+MLFLOW_FAILED_EXIT = 3  # the Parquet output is complete but MLflow logging failed (jobs/backfill_mlflow.py)
 
 
 def say(msg: str) -> None:
@@ -90,8 +92,20 @@ def plan_job(cfg: JobConfig, store: OutputStore) -> tuple[list[str], Plan]:
     rows, dup_accept = scan_shards(paths, cfg.limit)
     if not rows:
         raise ConfigError("shards", "the shards hold no rows")
+    open_output_dir(store)
     existing = store.existing_keys(cfg.config_hash)
     return paths, make_plan(rows, cfg.methods, existing, dup_accept)
+
+
+def open_output_dir(store: OutputStore) -> None:
+    """Lock the output directory for this job, then clear what a killed writer left: stale temporaries,
+    and parts that do not read back whole (moved to _corrupt/, so their rows are planned again)."""
+    store.acquire()
+    if store.remove_stale_temps():
+        say(f"removed the temporary file(s) of an interrupted write in {store.root}")
+    for name in store.set_aside_corrupt():
+        say(f"part file {name} is corrupt or truncated: moved to {store.root / '_corrupt' / name}; "
+            "its rows will be computed again")
 
 
 # ---------------------------------------------------------------------- Ray stages
@@ -220,9 +234,18 @@ class _Progress:
 
 
 def run(cfg: JobConfig) -> dict[str, Any]:
-    """Run one job to completion (or to the first unrecoverable failure). Returns a report dict."""
-    t_start = time.perf_counter()
+    """Run one job to completion (or to the first unrecoverable failure). Returns a report dict.
+
+    The job holds the output directory's lock from planning to the end (see ``OutputStore.acquire``)."""
     store = OutputStore(cfg.output_dir)
+    try:
+        return _run(cfg, store)
+    finally:
+        store.release()
+
+
+def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
+    t_start = time.perf_counter()
     say(f"job {cfg.job_name}: task={cfg.task} model={cfg.model} methods={','.join(cfg.methods)} "
         f"max_new_tokens={cfg.max_new_tokens} config_hash={cfg.config_hash}")
     say(f"output dir: {cfg.output_dir}")
@@ -298,6 +321,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         try:
             for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 write(block)
+        except PartWriteError as e:
+            status, error = "failed", str(e)
+            say(f"writing the output failed: {e}. Free space there, then rerun the same command: it computes "
+                "only the missing rows")
         except Exception as e:  # noqa: BLE001 - record, report, and exit non-zero below
             status, error = "failed", f"{type(e).__name__}: {e}"
             say(f"the Ray pipeline failed: {error}")
@@ -308,7 +335,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     record.update(status=status, error=error, n_written=len(written), n_missing=len(missing),
                   finished=time.strftime("%Y-%m-%dT%H:%M:%S"), wall_s=time.perf_counter() - t_start,
                   written_parts=seq)
-    store.write_run_record(run_id, record)
+    try:
+        store.write_run_record(run_id, record)
+    except OSError as e:  # e.g. the disk is full: the parts written are whole, the record is a convenience
+        say(f"could not update the run record in {store.root}: {e}")
     if missing:
         say(f"{len(missing)} planned row(s) were not written (e.g. {missing[0]}); rerun the same command to "
             "compute only those")
@@ -353,7 +383,10 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
                                 experiment=cfg.experiment, output_dir=cfg.output_dir, job_name=cfg.job_name)
         out["mlflow"] = info
     except Exception as e:  # noqa: BLE001
-        say(f"MLflow logging failed ({type(e).__name__}: {e}); the Parquet output is complete")
+        out["mlflow_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        say(f"MLflow logging failed ({out['mlflow_error']}); the Parquet output is complete. Log it when the "
+            f"server is back: python jobs/backfill_mlflow.py --output-dir {cfg.output_dir} "
+            f"--tracking-uri {cfg.mlflow_uri}")
     return out
 
 
@@ -402,4 +435,6 @@ def main(task: str | None, argv: list[str] | None = None) -> int:
         return 2
     if report["status"] != "ok":
         return 1
+    if report.get("mlflow_error"):
+        return MLFLOW_FAILED_EXIT
     return 0

@@ -278,18 +278,19 @@ def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     def write(table: pa.Table) -> None:
         nonlocal seq, first_write_samples
         keys = list(zip(table.column("sample_id").to_pylist(), table.column("method").to_pylist()))
-        mask = []
+        mask, kept = [], set()
         for k in keys:
-            ok = k in expected and k not in written
+            ok = k in expected and k not in written and k not in kept
             mask.append(ok)
             if ok:
-                written.add(k)
+                kept.add(k)
         dropped = len(mask) - sum(mask)
         if dropped:
             say(f"dropping {dropped} row(s) already written or not planned (a retried batch)")
             table = table.filter(pa.array(mask))
         if table.num_rows:
             store.write_part(table, run_id, seq)
+            written.update(kept)  # only once the part is on disk: a failed write leaves its rows missing
             seq += 1
             write_times.append(time.perf_counter() - t_start)
             write_samples.append(len(set(table.column("sample_id").to_pylist())))
@@ -379,6 +380,7 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     print(text, flush=True)
     out["summary"] = text
     try:
+        check_tracking_server(cfg.mlflow_uri)
         info = tracking.log_job(df=df, config=cfg.to_dict(), analysis=analysis, tracking_uri=cfg.mlflow_uri,
                                 experiment=cfg.experiment, output_dir=cfg.output_dir, job_name=cfg.job_name)
         out["mlflow"] = info
@@ -388,6 +390,22 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
             f"server is back: python jobs/backfill_mlflow.py --output-dir {cfg.output_dir} "
             f"--tracking-uri {cfg.mlflow_uri}")
     return out
+
+
+def check_tracking_server(uri: str) -> None:
+    """Raise ConnectionError at once if an http(s) tracking server does not answer its health check:
+    MLflow's client would otherwise retry a dead server for minutes before failing."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=10).close()
+    except urllib.error.HTTPError:
+        return  # it answers (e.g. 401 behind auth): let MLflow's client deal with it
+    except OSError as e:
+        raise ConnectionError(f"the tracking server {uri} does not answer ({e})") from None
 
 
 def minimal_summary(df) -> str:

@@ -130,6 +130,10 @@ class FakeEngine:
         self.calls += 1
         if any("CRASH" in p for p in prompts):
             raise RuntimeError("fake engine crash on request")
+        if any("OOM" in p for p in prompts):  # what torch raises when a batch does not fit the device
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         time.sleep(self.delay_s * len(prompts))
         out = {}
         for m in methods:
@@ -150,6 +154,22 @@ class FakeEngine:
 
 class SlowFakeEngine(FakeEngine):
     delay_s = 1.0
+
+
+class GatedFakeEngine(FakeEngine):
+    """A FakeEngine that stops at a known point, so a test can interrupt a job there without timing.
+
+    With ``RCR_TEST_GATE`` set to a path, the first ``RCR_TEST_GATE_AFTER`` calls (default 0) of each engine
+    run at once; the next call touches ``<path>.waiting`` and waits until ``<path>`` exists (the test's
+    signal to go on; a test that stops the job never creates it)."""
+
+    def run(self, prompts, images, methods, task=None):
+        gate = os.environ.get("RCR_TEST_GATE")
+        if gate and self.calls >= int(os.environ.get("RCR_TEST_GATE_AFTER", "0")) and not Path(gate).exists():
+            Path(f"{gate}.waiting").touch()
+            while not Path(gate).exists():
+                time.sleep(0.05)
+        return super().run(prompts, images, methods, task)
 
 
 # ---------------------------------------------------------------------- models

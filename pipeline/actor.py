@@ -30,6 +30,7 @@ from pipeline.config import TASKS, JobConfig
 log = logging.getLogger(__name__)
 
 METHODS_COLUMN = "_methods"  # optional input column: the methods still missing for this sample (resume)
+BAD_TEXT_KEY = "_bad_text"  # set on a row (by table_rows) whose string field is not valid UTF-8: its name
 
 
 class BadInput(ValueError):
@@ -189,7 +190,7 @@ def result_row(sample: dict, method: str, s: dict, text: str, cfg: JobConfig, co
 def batch_to_rows(batch: Any) -> list[dict]:
     """A Ray/pyarrow/pandas/dict-of-columns batch -> list of row dicts."""
     if isinstance(batch, pa.Table):
-        return batch.to_pylist()
+        return table_rows(batch)
     try:
         import pandas as pd
 
@@ -204,6 +205,36 @@ def batch_to_rows(batch: Any) -> list[dict]:
     if isinstance(batch, list):
         return list(batch)
     raise TypeError(f"unsupported batch type {type(batch).__name__}")
+
+
+def table_rows(table: pa.Table) -> list[dict]:
+    """``table.to_pylist()``, except that a row whose string cell is not valid UTF-8 (Parquet does not check
+    it) gets that text decoded with U+FFFD replacements and ``BAD_TEXT_KEY`` set to the column name, so it
+    becomes that sample's error rows instead of failing the whole batch."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    rows = []
+    for i in range(table.num_rows):
+        one = table.slice(i, 1)
+        try:
+            rows.append(one.to_pylist()[0])
+            continue
+        except UnicodeDecodeError:
+            pass
+        row, bad = {}, None
+        for name in one.column_names:
+            col = one.column(name)
+            try:
+                row[name] = col.to_pylist()[0]
+            except UnicodeDecodeError:
+                raw = col.cast(pa.large_binary()).to_pylist()[0]
+                row[name] = raw.decode("utf-8", errors="replace")
+                bad = bad or name
+        row[BAD_TEXT_KEY] = bad
+        rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------------- engine
@@ -230,11 +261,21 @@ class RcrEngine:
     def run(self, prompts: list[str], images: list[list], methods: list[str], task: str):
         """One left-padded batch, one shared prefill, every method -> label -> GenerationResult."""
         inputs = self.rcr.models.build_inputs(self.processor, prompts, images, video=(task == "video"))
+        self.check_context(int(inputs["input_ids"].shape[1]))
         inputs = inputs.to(self.device)
         with self.torch.inference_mode():
             results = self.rcr.generate(self.model, inputs, method=list(methods),
                                         max_new_tokens=self.max_new_tokens, config=self.rcr_config)
         return results
+
+    def check_context(self, n_input: int) -> None:
+        """A prompt plus image(s) that leaves no room for max_new_tokens is a bad input, not a model crash.
+        With several samples the longest one sets ``n_input``; the batch is then retried sample by sample."""
+        text_cfg = self.model.config.get_text_config()
+        ctx = getattr(text_cfg, "max_position_embeddings", None)
+        if ctx and n_input + self.max_new_tokens > ctx:
+            raise BadInput(f"prompt + image(s) are {n_input} tokens; with max_new_tokens={self.max_new_tokens} "
+                           f"that exceeds the model's context of {ctx} tokens")
 
     def decode(self, ids) -> str:
         tok = getattr(self.processor, "tokenizer", self.processor)
@@ -292,6 +333,8 @@ class SampleEvaluator:
             methods = sample.get(METHODS_COLUMN)
             methods = list(methods) if methods is not None and len(methods) else list(self.cfg.methods)
             try:
+                if sample.get(BAD_TEXT_KEY):
+                    raise BadInput(f"{sample[BAD_TEXT_KEY]} is not valid UTF-8")
                 if (sample.get("task") or self.cfg.task) not in TASKS:
                     raise BadInput(f"unknown task {sample.get('task')!r}; expected one of {', '.join(TASKS)}")
                 prompt = check_prompt(sample.get("prompt"))
@@ -322,6 +365,8 @@ class SampleEvaluator:
                     rows.extend(self._evaluate([item]))
                 return rows
             sample, _, methods = chunk[0]
+            if isinstance(e, BadInput):  # found by the engine (e.g. longer than the model's context)
+                return error_rows(sample, methods, f"bad input: {e}", self.cfg, self.config_hash)
             where = traceback.extract_tb(e.__traceback__)[-1]
             msg = f"model error: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"
             log.warning("sample %s: %s", sample.get("sample_id"), msg)

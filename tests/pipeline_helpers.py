@@ -43,7 +43,14 @@ def write_shard(path: Path, records: list[dict]) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([pa.field(f.name, f.type) for f in INPUT_SCHEMA])  # nullable: bad rows allowed
-    pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+    prompts = [r.get("prompt") for r in records]
+    table = pa.Table.from_pylist([dict(r, prompt=None) if isinstance(r.get("prompt"), bytes) else r
+                                  for r in records], schema=schema)
+    if any(isinstance(p, bytes) for p in prompts):  # a bytes prompt is written as is: Parquet does not check UTF-8
+        raw = pa.array([p if isinstance(p, bytes) or p is None else p.encode() for p in prompts], pa.binary())
+        table = table.set_column(schema.get_field_index("prompt"), "prompt",
+                                 raw.view(schema.field("prompt").type))
+    pq.write_table(table, path)
     return path
 
 
@@ -83,12 +90,20 @@ def bad_input_records(base: dict) -> tuple[list[dict], dict[str, str | None]]:
         rec("empty-prompt", prompt="   "),
         rec("good-b", images=[_img_bytes(rgb.transpose(Image.FLIP_LEFT_RIGHT), "PNG")]),
         rec("good-a", prompt=base["prompt"] + " Again."),  # duplicate sample_id -> good-a#dup2
+        rec("truncated-png", images=[png[: len(png) - len(png) // 4]]),  # header whole, pixel data cut
+        rec("prompt-bad-utf8", prompt=b"Describe \xff\xfe this image."),
+        rec("prompt-null", prompt=None),
+        rec("too-long", prompt="Describe every detail " * 1400),  # > 4096 tokens with the image
+        rec("video-over-cap", task="video", images=[png] * 65, prompt="Describe what happens in this video."),
     ]
     expect = {
         "good-a": None, "good-b": None, "cmyk": None, "rgba": None, "grey": None,
         "corrupt": "corrupt", "garbage": "corrupt or not an image", "empty-image": "empty (0 bytes)",
         "huge": "huge", "video-0-frames": "0 frames", "empty-prompt": "prompt is empty",
         "good-a#dup2": "duplicate sample_id 'good-a'",
+        "truncated-png": "bad input: image 0 is corrupt", "prompt-bad-utf8": "bad input: prompt is not valid UTF-8",
+        "prompt-null": "bad input: prompt is empty", "too-long": "exceeds the model's context of",
+        "video-over-cap": "video has 65 frames, more than max_frames=64",
     }
     return records, expect
 

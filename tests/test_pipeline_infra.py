@@ -97,6 +97,30 @@ def test_wrong_shard_schema_fails_before_model_work(tmp_path):
     assert r.returncode == 2 and "unknown method 'bogus'" in r.stderr
 
 
+@pytest.mark.parametrize("column, bad_type, want", [
+    ("images", pa.binary(), "column 'images' has type binary"),
+    ("references", pa.string(), "column 'references' has type string"),  # references that are not a list
+])
+def test_wrong_column_type_in_one_shard_of_several_is_a_preflight_error(tmp_path, column, bad_type, want):
+    recs = synthetic_records("textcaps", 6)
+    for i in range(3):
+        write_shard(tmp_path / "shards" / f"s{i}.parquet", recs[2 * i: 2 * i + 2])
+    bad = tmp_path / "shards" / "s1.parquet"
+    t = pq.read_table(bad)
+    col = t.column(column).to_pylist()
+    value = [c[0] if c else None for c in col] if column == "images" else ["; ".join(c) for c in col]
+    pq.write_table(t.set_column(t.schema.get_field_index(column), column, pa.array(value, bad_type)), bad)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2_vl"}')
+    r = _job(["jobs/textcaps.py", "--model", str(model), "--shards", str(tmp_path / "shards"),
+              "--output-dir", str(tmp_path / "out")])
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = [ln for ln in r.stderr.splitlines() if "field 'shards'" in ln]
+    assert line and str(bad) in line[0] and want in line[0], r.stderr
+    assert "SampleEvaluator" not in r.stdout + r.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_quickstart_on_the_local_cluster_then_stop(tmp_path):

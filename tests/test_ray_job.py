@@ -11,6 +11,7 @@ stopped by its own pid in the fixture teardown). The tests:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -121,27 +122,31 @@ def test_actor_killed_mid_job_still_n_x_m(head, tmp_path):
 
 
 def test_stopped_job_resumes_only_missing_rows(head, tmp_path):
-    n, methods = 8, ["full", "bacon", "rcr"]
+    """The job is stopped at a known point: the engine lets K samples through, then waits on a gate file
+    that is never created, so exactly K parts exist when `ray job stop` runs, whatever the machine's load."""
+    n, k, methods = 8, 3, ["full", "bacon", "rcr"]
     recs = synthetic_records("detailcaps", n)
     write_shard(tmp_path / "shards" / "s0.parquet", recs)
     out = tmp_path / "out"
+    gate = tmp_path / "gate"
     args = _job_args("jobs/detailcaps.py", out, tmp_path / "shards", str(fake_model_dir(tmp_path)), ",".join(methods),
-                     "--engine", "tests.pipeline_helpers:SlowFakeEngine", "--batch-size", "1", "--no-summary")
+                     "--engine", "tests.pipeline_helpers:GatedFakeEngine", "--batch-size", "1", "--num-actors", "1",
+                     "--no-summary")
     sub = f"stop-job-{uuid.uuid4().hex[:8]}"
+    env = {"env_vars": {"RCR_TEST_GATE": str(gate), "RCR_TEST_GATE_AFTER": str(k)}}
     r = head.ray_cli("job", "submit", "--address", head.address, "--working-dir", str(REPO), "--no-wait",
-                     "--submission-id", sub, "--", "python", *args, timeout=300)
+                     "--submission-id", sub, "--runtime-env-json", json.dumps(env), "--", "python", *args, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    deadline = time.time() + 300
-    while len(list(out.glob("part-*.parquet"))) < 2:
-        assert time.time() < deadline and head.job_status(sub) in ("PENDING", "RUNNING"), head.job_logs(sub)[-4000:]
-        time.sleep(0.3)
+    waiting = Path(f"{gate}.waiting")
+    while not (waiting.exists() and len(list(out.glob("part-*.parquet"))) == k):  # files, not time
+        assert head.job_status(sub) in ("PENDING", "RUNNING"), head.job_logs(sub)[-4000:]
+        time.sleep(0.5)
     head.ray_cli("job", "stop", "--address", head.address, sub, timeout=120)
-    assert head.wait_job(sub, timeout=120) == "STOPPED"
+    assert head.wait_job(sub, timeout=300) == "STOPPED"
     first_files = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
     first = pd.read_parquet(out)
+    assert len(first_files) == k and len(first) == k * len(methods) and len(set(_keys(first))) == k * len(methods)
     k = len(first)
-    assert 0 < k < n * len(methods), f"the stop came too late or too early ({k} rows)"
-    assert len(set(_keys(first))) == k
 
     log = _submit_ok(head, args)  # the same command again
     assert f"{k} already in the output dir, {n * len(methods) - k} to compute" in log

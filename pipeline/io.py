@@ -74,7 +74,7 @@ class OutputStore:
         if self._lock_fh is not None:
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        fh = open(self.root / LOCK_FILE, "a+")
+        fh = open(self.root / LOCK_FILE, "a+")  # noqa: SIM115 - kept open: the lock lives as long as this file
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -17,12 +17,18 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-import pyarrow.parquet as pq
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import inline_driver
-from pipeline_helpers import PY, REPO, fake_model_dir, free_port, synthetic_records, write_shard
+from pipeline_helpers import (
+    PY,
+    REPO,
+    fake_model_dir,
+    free_port,
+    synthetic_records,
+    write_shard,
+)
 
 from pipeline import run as R
 from pipeline.config import ConfigError, JobConfig
@@ -185,7 +191,7 @@ def test_second_job_on_the_same_output_dir_is_refused(job, monkeypatch):
         _wait_for(Path(f"{gate}.waiting"), first)  # the first job holds the lock, mid-run
         second = subprocess.run([PY, str(REPO / "tests" / "inline_driver.py"), "detailcaps",
                                  *job["argv"]("--no-summary", engine=GATED)], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=300, check=False)
         assert second.returncode == 2, second.stdout + second.stderr
         msg = [ln for ln in second.stderr.splitlines() if "in use by another job" in ln]
         assert msg and f"pid {first.pid} " in msg[0] and str(out / "_lock") in msg[0], second.stderr

@@ -86,7 +86,7 @@ def main() -> int:
         make_shards(work / f"shards-{n}", n)
         r = subprocess.run([sys.executable, __file__, "--child", str(n), "--work", str(work), "--batch-size",
                             str(args.batch_size)], cwd=REPO, capture_output=True, text=True, check=False,
-                           env=dict(os.environ, PYTHONPATH=str(REPO)))
+                           env=dict(os.environ, PYTHONPATH=str(REPO), RAY_raylet_start_wait_time_s="300"))
         line = [ln for ln in r.stdout.splitlines() if ln.startswith("LOAD ")]
         if r.returncode != 0 or not line:
             print(r.stdout[-3000:], r.stderr[-3000:])

@@ -60,15 +60,21 @@ pick_ports() {  # choose every port (see the header), or fail in one line naming
 
 holder_of() { "$PY" "$PORTS_PY" holder "$1"; }
 
-ready_check() {  # a trivial job through the job agent; prints why not on failure
-  local sub out
-  sub="rcr-ready-$(date +%s)-$$"
-  if ! out=$(timeout "$READY_TIMEOUT" ray job submit --address "http://$HOST:$DASH_PORT" --submission-id "$sub" \
-             -- python -c "print('rcr-ready')" 2>&1); then
-    echo "$out" | grep -Eo "No available agent[^.]*|Request failed[^\n]*|Connection refused|timed out" | head -1
-    return 1
-  fi
-  echo "$out" | grep -q "rcr-ready" || { echo "the trivial job did not print its output"; return 1; }
+ready_check() {  # [seconds]: submit a trivial job until one runs (a busy machine is slow); prints why not
+  local secs=${1:-$READY_TIMEOUT} t0=$SECONDS sub out=""
+  while :; do
+    sub="rcr-ready-$(date +%s)-$$"
+    if out=$(timeout 120 ray job submit --address "http://$HOST:$DASH_PORT" --submission-id "$sub" \
+             -- python -c "print('rcr-ready')" 2>&1) && echo "$out" | grep -q "rcr-ready"; then
+      return 0
+    fi
+    if ! alive "$STATE/ray.pid" || ((SECONDS - t0 >= secs)); then break; fi
+    sleep 3
+  done
+  out=$(echo "$out" | grep -Eo "No available agent[^.]*|Request failed with status code [0-9]+|Connection refused|Job '[^']*' failed|timed out" | head -1)
+  alive "$STATE/ray.pid" || out="the head exited${out:+; $out}"
+  echo "${out:-no answer}"
+  return 1
 }
 
 diagnose() {  # one line: why the head does not accept jobs
@@ -124,11 +130,13 @@ start() {
   unset RAY_AUTH_TOKEN RAY_ADDRESS
 
   export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0  # see the header: keeps every Ray socket on 127.0.0.1
+  # a busy machine can take more than Ray's default 60 s to register the raylet with the GCS
+  export RAY_raylet_start_wait_time_s="${RAY_raylet_start_wait_time_s:-300}"
 
   if alive "$STATE/ray.pid"; then
     load_ports
     local why
-    if ! why=$(ready_check); then
+    if ! why=$(ready_check 60); then
       fail "the Ray head (pid $(cat "$STATE/ray.pid")) is running but does not accept jobs ($why; $(diagnose)). Run: $0 stop && $0 start"
     fi
     say "Ray head already running (pid $(cat "$STATE/ray.pid")) and accepting jobs"

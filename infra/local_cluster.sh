@@ -78,7 +78,7 @@ ready_check() {  # [seconds]: submit a trivial job until one runs (a busy machin
 }
 
 diagnose() {  # one line: why the head does not accept jobs
-  local logs port who
+  local logs port who why
   logs=$(ls "$RAY_TMP"/session_latest/logs/dashboard_agent*.log "$RAY_TMP"/session_latest/logs/runtime_env_agent*.log \
          "$STATE/ray.log" 2>/dev/null || true)
   port=$( (grep -hEo "[0-9.]+:[0-9]+[^\n]*(address already in use|Errno 98)|Failed to bind to [0-9.]+:[0-9]+|port[^\n]{0,40}(in use|already)" $logs 2>/dev/null || true) \
@@ -87,7 +87,8 @@ diagnose() {  # one line: why the head does not accept jobs
     who=$(holder_of "$port")
     echo "port $port is in use${who:+ by $who}"
   else
-    echo "see $RAY_TMP/session_latest/logs/dashboard_agent.log"
+    why=$(grep -hoE "Check failed: .{0,160}" "$RAY_TMP"/session_latest/logs/raylet.out 2>/dev/null | head -1 || true)
+    echo "${why:+raylet: $why; }see $RAY_TMP/session_latest/logs/"
   fi
 }
 
@@ -120,6 +121,37 @@ stop_group() {  # pidfile name
   rm -f "$pidfile"
 }
 
+start_head() {  # sets HEAD_ERROR and returns 1 on failure
+  pick_ports
+  local extra=() lo hi why
+  [ -n "${RCR_NUM_CPUS:-}" ] && extra+=(--num-cpus "$RCR_NUM_CPUS")
+  [ -n "${RCR_NUM_GPUS:-}" ] && extra+=(--num-gpus "$RCR_NUM_GPUS")
+  lo=${P_workers%-*} hi=${P_workers#*-}
+  say "starting the Ray head on $HOST:$RAY_PORT, dashboard/jobs on http://$HOST:$DASH_PORT (log: $STATE/ray.log)"
+  DASHBOARD_METRIC_PORT=$P_dashboard_metrics AUTOSCALER_METRIC_PORT=$P_autoscaler_metrics \
+  setsid nohup ray start --head --block --node-ip-address "$HOST" --port "$RAY_PORT" \
+    --dashboard-host "$HOST" --dashboard-port "$DASH_PORT" --include-dashboard true \
+    --dashboard-agent-listen-port "$P_agent_http" --dashboard-agent-grpc-port "$P_agent_grpc" \
+    --metrics-export-port "$P_metrics" --runtime-env-agent-port "$P_runtime_env" \
+    --ray-client-server-port "$P_client" --node-manager-port "$P_node_manager" \
+    --object-manager-port "$P_object_manager" --min-worker-port "$lo" --max-worker-port "$hi" \
+    --temp-dir "$RAY_TMP" --disable-usage-stats "${extra[@]}" > "$STATE/ray.log" 2>&1 < /dev/null &
+  echo $! > "$STATE/ray.pid"
+  printf 'RAY_PORT=%s\nDASH_PORT=%s\nMLFLOW_PORT=%s\n' "$RAY_PORT" "$DASH_PORT" "$MLFLOW_PORT" > "$STATE/ports"
+  if ! wait_http "http://$HOST:$DASH_PORT/api/version" 120 "$STATE/ray.pid"; then
+    why=$(grep -hE "Error|error:" "$STATE/ray.log" | tail -1 | cut -c1-300)
+    stop_group "$STATE/ray.pid" "Ray head" >/dev/null
+    HEAD_ERROR="the Ray head did not come up (${why:-no error in the log}; $(diagnose)). Log: $STATE/ray.log. Run: $0 start again, or set the named port's RCR_*_PORT"
+    return 1
+  fi
+  if ! why=$(ready_check); then
+    why="$why; $(diagnose)"
+    stop_group "$STATE/ray.pid" "Ray head" >/dev/null
+    HEAD_ERROR="the Ray head started but its job agent does not accept jobs ($why). It was stopped. Run: $0 start again, or set RCR_AGENT_HTTP_PORT to a free port"
+    return 1
+  fi
+}
+
 start() {
   mkdir -p "$STATE" "$RUNS"
   command -v ray >/dev/null || { say "ray is not on PATH (activate the venv: . .venv/bin/activate)"; exit 1; }
@@ -130,7 +162,8 @@ start() {
   unset RAY_AUTH_TOKEN RAY_ADDRESS
 
   export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0  # see the header: keeps every Ray socket on 127.0.0.1
-  # a busy machine can take more than Ray's default 60 s to register the raylet with the GCS
+  # a busy machine can take Ray's agents longer to start than the raylet waits for them by default
+  export RAY_agent_register_timeout_ms="${RAY_agent_register_timeout_ms:-300000}"
   export RAY_raylet_start_wait_time_s="${RAY_raylet_start_wait_time_s:-300}"
 
   if alive "$STATE/ray.pid"; then
@@ -141,32 +174,12 @@ start() {
     fi
     say "Ray head already running (pid $(cat "$STATE/ray.pid")) and accepting jobs"
   else
-    pick_ports
-    local extra=() lo hi why
-    [ -n "${RCR_NUM_CPUS:-}" ] && extra+=(--num-cpus "$RCR_NUM_CPUS")
-    [ -n "${RCR_NUM_GPUS:-}" ] && extra+=(--num-gpus "$RCR_NUM_GPUS")
-    lo=${P_workers%-*} hi=${P_workers#*-}
-    say "starting the Ray head on $HOST:$RAY_PORT, dashboard/jobs on http://$HOST:$DASH_PORT (log: $STATE/ray.log)"
-    DASHBOARD_METRIC_PORT=$P_dashboard_metrics AUTOSCALER_METRIC_PORT=$P_autoscaler_metrics \
-    setsid nohup ray start --head --block --node-ip-address "$HOST" --port "$RAY_PORT" \
-      --dashboard-host "$HOST" --dashboard-port "$DASH_PORT" --include-dashboard true \
-      --dashboard-agent-listen-port "$P_agent_http" --dashboard-agent-grpc-port "$P_agent_grpc" \
-      --metrics-export-port "$P_metrics" --runtime-env-agent-port "$P_runtime_env" \
-      --ray-client-server-port "$P_client" --node-manager-port "$P_node_manager" \
-      --object-manager-port "$P_object_manager" --min-worker-port "$lo" --max-worker-port "$hi" \
-      --temp-dir "$RAY_TMP" --disable-usage-stats "${extra[@]}" > "$STATE/ray.log" 2>&1 < /dev/null &
-    echo $! > "$STATE/ray.pid"
-    printf 'RAY_PORT=%s\nDASH_PORT=%s\nMLFLOW_PORT=%s\n' "$RAY_PORT" "$DASH_PORT" "$MLFLOW_PORT" > "$STATE/ports"
-    if ! wait_http "http://$HOST:$DASH_PORT/api/version" 120 "$STATE/ray.pid"; then
-      why=$(grep -hE "Error|error:" "$STATE/ray.log" | tail -1 | cut -c1-300)
-      stop_group "$STATE/ray.pid" "Ray head" >/dev/null
-      fail "the Ray head did not come up (${why:-no error in the log}; $(diagnose)). Log: $STATE/ray.log. Run: $0 start again, or set the named port's RCR_*_PORT"
-    fi
-    if ! why=$(ready_check); then
-      why="$why; $(diagnose)"
-      stop_group "$STATE/ray.pid" "Ray head" >/dev/null
-      fail "the Ray head started but its job agent does not accept jobs ($why). It was stopped. Run: $0 start again, or set RCR_AGENT_HTTP_PORT to a free port"
-    fi
+    local attempt
+    for attempt in 1 2 3; do  # a busy machine can make Ray's own startup time out: start it again
+      start_head && break
+      [ "$attempt" = 3 ] && fail "$HEAD_ERROR"
+      say "$HEAD_ERROR -- starting it again ($((attempt + 1))/3)"
+    done
   fi
 
   if [ "${RCR_NO_MLFLOW:-0}" = 1 ]; then

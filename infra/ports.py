@@ -26,6 +26,7 @@ HOST = "127.0.0.1"
 def _bindable(port: int) -> bool:
     for host in (HOST, "0.0.0.0"):
         s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT does not count
         try:
             s.bind((host, port))
         except OSError:

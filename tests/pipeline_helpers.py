@@ -89,12 +89,12 @@ def bad_input_records(base: dict) -> tuple[list[dict], dict[str, str | None]]:
         rec("video-0-frames", task="video", images=[], prompt="Describe what happens in this video."),
         rec("empty-prompt", prompt="   "),
         rec("good-b", images=[_img_bytes(rgb.transpose(Image.FLIP_LEFT_RIGHT), "PNG")]),
-        rec("good-a", prompt=base["prompt"] + " Again."),  # duplicate sample_id -> good-a#dup2
         rec("truncated-png", images=[png[: len(png) - len(png) // 4]]),  # header whole, pixel data cut
         rec("prompt-bad-utf8", prompt=b"Describe \xff\xfe this image."),
         rec("prompt-null", prompt=None),
         rec("too-long", prompt="Describe every detail " * 1400),  # > 4096 tokens with the image
         rec("video-over-cap", task="video", images=[png] * 65, prompt="Describe what happens in this video."),
+        rec("good-a", prompt=base["prompt"] + " Again."),  # last: duplicate sample_id -> good-a#dup2
     ]
     expect = {
         "good-a": None, "good-b": None, "cmyk": None, "rgba": None, "grey": None,

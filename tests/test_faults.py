@@ -338,3 +338,30 @@ def test_mlflow_server_killed_mid_job_then_backfill(job, tmp_path):
         if proc is not None and proc.poll() is None:
             proc.kill()
         stop(srv)
+
+
+def test_every_bad_input_kind_through_the_driver(tmp_path, monkeypatch):
+    """All row-level bad inputs (tests/pipeline_helpers.bad_input_records) in one shard, through the driver
+    and the real engine (the context check needs its processor): each bad sample becomes its error rows,
+    every good one is evaluated."""
+    from pipeline_helpers import bad_input_records, tiny_qwen2_vl_dir
+
+    model = "embedded" if (REPO / "assets" / "embedded" / "model" / "config.json").is_file() else \
+        str(tiny_qwen2_vl_dir(tmp_path))
+    recs, expect = bad_input_records(synthetic_records("detailcaps", 1)[0])
+    write_shard(tmp_path / "shards" / "bad.parquet", recs)
+    out = tmp_path / "out"
+    rep = _inline(monkeypatch, ["--model", model, "--shards", str(tmp_path / "shards"), "--methods", ",".join(METHODS),
+                                "--output-dir", str(out), "--max-new-tokens", "3", "--batch-size", "4", "--no-summary",
+                                "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"])
+    assert rep["status"] == "ok"
+    df = pd.read_parquet(out)
+    keys = _keys(df)
+    assert len(keys) == len(set(keys)) and set(keys) == {(s, m) for s in expect for m in METHODS}
+    assert sum(e is not None for e in expect.values()) >= 12  # kinds of bad input, besides the 2 pre-flight ones
+    for sid, err in expect.items():
+        rows = df[df["sample_id"] == sid]
+        if err is None:
+            assert rows["error"].isna().all() and (rows["n_steps"] >= 1).all(), (sid, rows["error"].tolist())
+        else:
+            assert rows["error"].str.contains(err, regex=False).all(), (sid, rows["error"].tolist())

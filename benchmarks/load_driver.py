@@ -44,9 +44,14 @@ def make_shards(out: Path, n: int, per_shard: int = 250) -> None:
         write_shard(out / f"s{s // per_shard:04d}.parquet", recs)
 
 
-def child(n: int, work: Path, batch_size: int) -> None:
+def child(n: int, work: Path, batch_size: int, inline: bool) -> None:
     """One job of ``n`` samples in this process; prints a JSON line with its figures."""
     sys.path.insert(0, str(REPO))
+    if inline:  # no Ray: the evaluator runs in the driver process (tests/inline_driver.py)
+        sys.path.insert(0, str(REPO / "tests"))
+        import inline_driver
+
+        inline_driver.install()
     os.environ.setdefault("RCR_RUNS_DIR", str(work / "runs"))
     from pipeline import run as R
     from pipeline.config import JobConfig
@@ -72,20 +77,22 @@ def main() -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[500, 2000])
     ap.add_argument("--batch-size", type=int, default=20)
     ap.add_argument("--work", help="work directory (default: a temporary one)")
+    ap.add_argument("--inline", action="store_true", help="without Ray (the evaluator runs in the driver)")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, Path(args.work), args.batch_size)
+        child(args.child, Path(args.work), args.batch_size, args.inline)
         return 0
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(args.work or tempfile.mkdtemp(prefix="rcr-load-"))
-    print(f"load average at start: {os.getloadavg()}; work dir {work}; methods {METHODS}; batch size {args.batch_size}")
+    print(f"load average at start: {os.getloadavg()}; work dir {work}; methods {METHODS}; batch size {args.batch_size}"
+          f"; {'inline (no Ray)' if args.inline else 'Ray Data on a private in-process Ray'}")
     results = []
     for n in args.sizes:
         make_shards(work / f"shards-{n}", n)
         r = subprocess.run([sys.executable, __file__, "--child", str(n), "--work", str(work), "--batch-size",
-                            str(args.batch_size)], cwd=REPO, capture_output=True, text=True, check=False,
+                            str(args.batch_size), *(["--inline"] if args.inline else [])], cwd=REPO, capture_output=True, text=True, check=False,
                            env=dict(os.environ, PYTHONPATH=str(REPO), RAY_raylet_start_wait_time_s="300"))
         line = [ln for ln in r.stdout.splitlines() if ln.startswith("LOAD ")]
         if r.returncode != 0 or not line:

@@ -8,7 +8,9 @@
 #   infra/local_cluster.sh stop               # when done
 #
 # Environment: PYTHON (default python3), RCR_SKIP_INSTALL=1 (use the active environment as is),
-# RCR_RUNS_DIR (default ~/rcr-runs), and the ports of infra/local_cluster.sh.
+# RCR_RUNS_DIR (default ~/rcr-runs), and the ports of infra/local_cluster.sh (RCR_*_PORT, see its header and
+# docs/pipeline.md). `local_cluster.sh start` exits non-zero with one line saying what is wrong (a busy port
+# and its holder, a head that does not accept jobs) and what to run; quickstart stops there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,7 +40,10 @@ source "$RUNS/local-cluster/env"
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(--limit 8)
 echo "[quickstart] ray job submit --address $RAY_ADDRESS --working-dir . -- python jobs/detailcaps.py ${args[*]} --mlflow-uri $MLFLOW_TRACKING_URI"
-ray job submit --address "$RAY_ADDRESS" --working-dir . -- \
-  python jobs/detailcaps.py "${args[@]}" --mlflow-uri "$MLFLOW_TRACKING_URI"
+if ! ray job submit --address "$RAY_ADDRESS" --working-dir . -- \
+  python jobs/detailcaps.py "${args[@]}" --mlflow-uri "$MLFLOW_TRACKING_URI"; then
+  echo "[quickstart] error: the job failed (its log is above). Rerunning the same command computes only the missing rows; cluster: infra/local_cluster.sh status" >&2
+  exit 1
+fi
 echo "[quickstart] done: the job printed the Parquet directory above (pd.read_parquet(<dir>) reads it)."
 echo "[quickstart] MLflow UI: $MLFLOW_TRACKING_URI     stop the local cluster: infra/local_cluster.sh stop"

@@ -7,6 +7,7 @@ that a test can kill an actor or a job mid-run.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -43,7 +44,14 @@ def write_shard(path: Path, records: list[dict]) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([pa.field(f.name, f.type) for f in INPUT_SCHEMA])  # nullable: bad rows allowed
-    pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+    prompts = [r.get("prompt") for r in records]
+    table = pa.Table.from_pylist([dict(r, prompt=None) if isinstance(r.get("prompt"), bytes) else r
+                                  for r in records], schema=schema)
+    if any(isinstance(p, bytes) for p in prompts):  # a bytes prompt is written as is: Parquet does not check UTF-8
+        raw = pa.array([p if isinstance(p, bytes) or p is None else p.encode() for p in prompts], pa.binary())
+        table = table.set_column(schema.get_field_index("prompt"), "prompt",
+                                 raw.view(schema.field("prompt").type))
+    pq.write_table(table, path)
     return path
 
 
@@ -82,13 +90,21 @@ def bad_input_records(base: dict) -> tuple[list[dict], dict[str, str | None]]:
         rec("video-0-frames", task="video", images=[], prompt="Describe what happens in this video."),
         rec("empty-prompt", prompt="   "),
         rec("good-b", images=[_img_bytes(rgb.transpose(Image.FLIP_LEFT_RIGHT), "PNG")]),
-        rec("good-a", prompt=base["prompt"] + " Again."),  # duplicate sample_id -> good-a#dup2
+        rec("truncated-png", images=[png[: len(png) - len(png) // 4]]),  # header whole, pixel data cut
+        rec("prompt-bad-utf8", prompt=b"Describe \xff\xfe this image."),
+        rec("prompt-null", prompt=None),
+        rec("too-long", prompt="Describe every detail " * 1400),  # > 4096 tokens with the image
+        rec("video-over-cap", task="video", images=[png] * 65, prompt="Describe what happens in this video."),
+        rec("good-a", prompt=base["prompt"] + " Again."),  # last: duplicate sample_id -> good-a#dup2
     ]
     expect = {
         "good-a": None, "good-b": None, "cmyk": None, "rgba": None, "grey": None,
         "corrupt": "corrupt", "garbage": "corrupt or not an image", "empty-image": "empty (0 bytes)",
         "huge": "huge", "video-0-frames": "0 frames", "empty-prompt": "prompt is empty",
         "good-a#dup2": "duplicate sample_id 'good-a'",
+        "truncated-png": "bad input: image 0 is corrupt", "prompt-bad-utf8": "bad input: prompt is not valid UTF-8",
+        "prompt-null": "bad input: prompt is empty", "too-long": "exceeds the model's context of",
+        "video-over-cap": "video has 65 frames, more than max_frames=64",
     }
     return records, expect
 
@@ -119,8 +135,6 @@ class FakeResult:
 class FakeEngine:
     """Deterministic stand-in for the core: output tokens are a function of (prompt, image bytes, method)."""
 
-    delay_s = 0.0  # per sample and call
-
     def __init__(self, cfg, device, dtype):
         self.cfg = cfg
         self.n_layers = 2
@@ -130,7 +144,10 @@ class FakeEngine:
         self.calls += 1
         if any("CRASH" in p for p in prompts):
             raise RuntimeError("fake engine crash on request")
-        time.sleep(self.delay_s * len(prompts))
+        if any("OOM" in p for p in prompts):  # what torch raises when a batch does not fit the device
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         out = {}
         for m in methods:
             seqs = []
@@ -148,8 +165,20 @@ class FakeEngine:
         pass
 
 
-class SlowFakeEngine(FakeEngine):
-    delay_s = 1.0
+class GatedFakeEngine(FakeEngine):
+    """A FakeEngine that stops at a known point, so a test can interrupt a job there without timing.
+
+    With ``RCR_TEST_GATE`` set to a path, the first ``RCR_TEST_GATE_AFTER`` calls (default 0) of each engine
+    run at once; the next call touches ``<path>.waiting`` and waits until ``<path>`` exists (the test's
+    signal to go on; a test that stops the job never creates it)."""
+
+    def run(self, prompts, images, methods, task=None):
+        gate = os.environ.get("RCR_TEST_GATE")
+        if gate and self.calls >= int(os.environ.get("RCR_TEST_GATE_AFTER", "0")) and not Path(gate).exists():
+            Path(f"{gate}.waiting").touch()
+            while not Path(gate).exists():
+                time.sleep(0.05)
+        return super().run(prompts, images, methods, task)
 
 
 # ---------------------------------------------------------------------- models
@@ -256,6 +285,7 @@ class LocalRayHead:
         env["RAY_ADDRESS"] = self.address
         env["PATH"] = f"{Path(PY).parent}:{env.get('PATH', '')}"
         env["RAY_USAGE_STATS_ENABLED"] = "0"
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # single-node mode: every socket on 127.0.0.1 (docs/pipeline.md)
         # Ray 2.60 token auth, with a private token: independent of ~/.ray/auth_token (which any local
         # ray.init() creates, and which would otherwise switch a plain `ray start` into token mode)
         env["RAY_AUTH_MODE"] = "token"
@@ -332,7 +362,8 @@ class LocalRayHead:
             cmd += ["--runtime-env-json", json.dumps(runtime_env)]
         cmd += ["--", "python", *args]
         if wait:
-            return subprocess.run(cmd, check=False, cwd=cwd, env=self.env(), capture_output=True, text=True, timeout=timeout)
+            return subprocess.run(cmd, check=False, cwd=cwd, env=self.env(), capture_output=True, text=True,
+                                  timeout=timeout)
         return subprocess.Popen(cmd, cwd=cwd, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
 
@@ -364,7 +395,8 @@ class LocalRayHead:
         return [a["pid"] for a in json.loads(r.stdout) if class_fragment in (a.get("class_name") or "")]
 
     def ray_cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([RAY, *args], check=False, env=self.env(), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([RAY, *args], check=False, env=self.env(), capture_output=True, text=True,
+                              timeout=timeout)
 
     def own_pids(self) -> list[int]:
         """Processes whose command line names this head's private temp dir or GCS port (its raylet, workers...)."""
@@ -394,10 +426,8 @@ class LocalRayHead:
             if not left:
                 break
             for pid in left:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.5)
         import shutil
 

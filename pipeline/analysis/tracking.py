@@ -54,7 +54,7 @@ from pipeline.analysis.text_metrics import FIDELITY_DESC, REF_ROUGE_DESC
 from pipeline.schema import Col
 from rcr.fileio import atomic_write_text
 
-__all__ = ["log_job", "job_key", "data_fingerprint", "resolve_tracking_uri", "find_job_runs",
+__all__ = ["log_job", "check_tracking_server", "job_key", "data_fingerprint", "resolve_tracking_uri", "find_job_runs",
            "DEFAULT_TRACKING_URI", "DEFAULT_EXPERIMENT", "TRACKING_VERSION"]
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -372,6 +372,22 @@ def _quiet_run_urls():
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+def check_tracking_server(uri: str) -> None:
+    """Raise ConnectionError at once if an http(s) tracking server does not answer its health check:
+    MLflow's client would otherwise retry a dead server for minutes before failing."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=10).close()
+    except urllib.error.HTTPError:
+        return  # it answers (e.g. 401 behind auth): let MLflow's client deal with it
+    except OSError as e:
+        raise ConnectionError(f"the tracking server {uri} does not answer ({e})") from None
 
 
 def ui_hint(tracking_uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:

@@ -30,6 +30,7 @@ from pipeline.schema import TASKS, JobStamp, error_rows, output_row, output_tabl
 log = logging.getLogger(__name__)
 
 METHODS_COLUMN = "_methods"  # optional input column: the methods still missing for this sample (resume)
+BAD_TEXT_KEY = "_bad_text"  # set on a row (by table_rows) whose string field is not valid UTF-8: its name
 
 
 def check_prompt(prompt: Any) -> str:
@@ -41,7 +42,7 @@ def check_prompt(prompt: Any) -> str:
 def batch_to_rows(batch: Any) -> list[dict]:
     """A Ray/pyarrow/pandas/dict-of-columns batch -> list of row dicts."""
     if isinstance(batch, pa.Table):
-        return batch.to_pylist()
+        return table_rows(batch)
     try:
         import pandas as pd
 
@@ -56,6 +57,36 @@ def batch_to_rows(batch: Any) -> list[dict]:
     if isinstance(batch, list):
         return list(batch)
     raise TypeError(f"unsupported batch type {type(batch).__name__}")
+
+
+def table_rows(table: pa.Table) -> list[dict]:
+    """``table.to_pylist()``, except that a row whose string cell is not valid UTF-8 (Parquet does not check
+    it) gets that text decoded with U+FFFD replacements and ``BAD_TEXT_KEY`` set to the column name, so it
+    becomes that sample's error rows instead of failing the whole batch."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    rows = []
+    for i in range(table.num_rows):
+        one = table.slice(i, 1)
+        try:
+            rows.append(one.to_pylist()[0])
+            continue
+        except UnicodeDecodeError:
+            pass
+        row, bad = {}, None
+        for name in one.column_names:
+            col = one.column(name)
+            try:
+                row[name] = col.to_pylist()[0]
+            except UnicodeDecodeError:
+                raw = col.cast(pa.large_binary()).to_pylist()[0]
+                row[name] = raw.decode("utf-8", errors="replace")
+                bad = bad or name
+        row[BAD_TEXT_KEY] = bad
+        rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------------- engine
@@ -82,11 +113,21 @@ class RcrEngine:
     def run(self, prompts: list[str], images: list[list], methods: list[str], task: str):
         """One left-padded batch, one shared prefill, every method -> label -> GenerationResult."""
         inputs = self.rcr.models.build_inputs(self.processor, prompts, images, video=(task == "video"))
+        self.check_context(int(inputs["input_ids"].shape[1]))
         inputs = inputs.to(self.device)
         with self.torch.inference_mode():
             results = self.rcr.generate(self.model, inputs, method=list(methods),
                                         max_new_tokens=self.max_new_tokens, config=self.rcr_config)
         return results
+
+    def check_context(self, n_input: int) -> None:
+        """A prompt plus image(s) that leaves no room for max_new_tokens is a bad input, not a model crash.
+        With several samples the longest one sets ``n_input``; the batch is then retried sample by sample."""
+        text_cfg = self.model.config.get_text_config()
+        ctx = getattr(text_cfg, "max_position_embeddings", None)
+        if ctx and n_input + self.max_new_tokens > ctx:
+            raise BadInput(f"prompt + image(s) are {n_input} tokens; with max_new_tokens={self.max_new_tokens} "
+                           f"that exceeds the model's context of {ctx} tokens")
 
     def decode(self, ids) -> str:
         tok = getattr(self.processor, "tokenizer", self.processor)
@@ -154,6 +195,8 @@ class SampleEvaluator:
 
     def _check(self, sample: dict) -> tuple[dict, list]:
         """The sample with its task filled in and its prompt checked, and its decoded images; or BadInput."""
+        if sample.get(BAD_TEXT_KEY):
+            raise BadInput(f"{sample[BAD_TEXT_KEY]} is not valid UTF-8")
         task = sample.get("task") or self.cfg.task
         if task not in TASKS:
             raise BadInput(f"unknown task {sample.get('task')!r}; expected one of {', '.join(TASKS)}")
@@ -176,6 +219,8 @@ class SampleEvaluator:
                     rows.extend(self._evaluate([item]))
                 return rows
             sample, _, methods = chunk[0]
+            if isinstance(e, BadInput):  # found by the engine (e.g. longer than the model's context)
+                return error_rows(self.job, sample, methods, f"bad input: {e}")
             where = traceback.extract_tb(e.__traceback__)[-1]
             msg = f"model error: {type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"
             log.warning("sample %s: %s", sample.get("sample_id"), msg)

@@ -46,7 +46,9 @@ from pipeline.run.config import (
     default_runs_root,
 )
 from pipeline.run.store import (
+    CORRUPT_DIR,
     OutputStore,
+    PartWriteError,
     Plan,
     fingerprint_row,
     make_plan,
@@ -59,6 +61,7 @@ from pipeline.schema import INPUT_SCHEMA, JobStamp, error_rows, output_table
 
 READER_CPUS = 0.25  # read/select tasks are light; small CPU requests keep them schedulable beside the actors
 DATA_RESERVE_CPUS = 1.0  # Ray Data's file-listing task asks for 1 CPU; CPU-only actors leave room for it
+MLFLOW_FAILED_EXIT = 3  # the Parquet output is complete but MLflow logging failed (jobs/backfill_mlflow.py)
 
 
 def say(msg: str) -> None:
@@ -113,8 +116,20 @@ def plan_job(cfg: JobConfig, store: OutputStore) -> tuple[list[str], Plan]:
     rows, dup_accept = scan_shards(paths, cfg.limit)
     if not rows:
         raise ConfigError("shards", "the shards hold no rows")
+    open_output_dir(store)
     existing = store.existing_keys(cfg.config_hash)
     return paths, make_plan(rows, cfg.methods, existing, dup_accept)
+
+
+def open_output_dir(store: OutputStore) -> None:
+    """Lock the output directory for this job, then clear what a killed writer left: stale temporaries,
+    and parts that do not read back whole (moved to _corrupt/, so their rows are planned again)."""
+    store.acquire()
+    if store.remove_stale_temps():
+        say(f"removed the temporary file(s) of an interrupted write in {store.root}")
+    for name in store.set_aside_corrupt():
+        say(f"part file {name} is corrupt or truncated: moved to {store.root / CORRUPT_DIR / name}; "
+            "its rows will be computed again")
 
 
 # ---------------------------------------------------------------------- Ray stages
@@ -287,11 +302,11 @@ class PartWriter:
 
     def write(self, table: pa.Table) -> None:
         keys = zip(table.column("sample_id").to_pylist(), table.column("method").to_pylist())
-        mask = []
+        mask, kept = [], set()
         for k in keys:
-            mask.append(k in self.expected and k not in self.written)
+            mask.append(k in self.expected and k not in self.written and k not in kept)
             if mask[-1]:
-                self.written.add(k)
+                kept.add(k)
         dropped = len(mask) - sum(mask)
         if dropped:
             say(f"dropping {dropped} row(s) already written or not planned (a retried batch)")
@@ -299,6 +314,7 @@ class PartWriter:
         if not table.num_rows:
             return
         self.store.write_part(table, self.run_id, self.seq)
+        self.written.update(kept)  # only once the part is on disk: a failed write leaves its rows missing
         self.seq += 1
         self.write_times.append(time.perf_counter() - self.t0)
         self.write_samples.append(len(set(table.column("sample_id").to_pylist())))
@@ -343,6 +359,10 @@ def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) ->
         with writer.progress.heartbeat():
             for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 writer.write(block)
+    except PartWriteError as e:
+        say(f"writing the output failed: {e}. Free space there, then rerun the same command: it computes "
+            "only the missing rows")
+        return "failed", str(e)
     except Exception as e:  # noqa: BLE001 - record, report, and exit non-zero below
         error = f"{type(e).__name__}: {e}"
         say(f"the Ray pipeline failed: {error}")
@@ -351,12 +371,21 @@ def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) ->
 
 
 def run(cfg: JobConfig) -> dict[str, Any]:
-    """Run one job to completion (or to the first unrecoverable failure). Returns a report dict."""
+    """Run one job to completion (or to the first unrecoverable failure). Returns a report dict.
+
+    The job holds the output directory's lock from planning to the end (see ``OutputStore.acquire``)."""
+    store = OutputStore(cfg.output_dir)
+    try:
+        return _run(cfg, store)
+    finally:
+        store.release()
+
+
+def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     t_start = time.perf_counter()
     quiet.quiet_driver_logging()
-    store = OutputStore(cfg.output_dir)
     paths, plan = plan_job(cfg, store)
-    preflight.check(cfg)  # model and device: one line and exit code 2, before anything is written or Ray starts
+    preflight.check(cfg)  # model and device: one line and exit code 2, before any row is computed or Ray starts
     say(f"job {cfg.job_name}: task={cfg.task} model={cfg.model} methods={','.join(cfg.methods)} "
         f"max_new_tokens={cfg.max_new_tokens} config_hash={cfg.config_hash}")
     say(f"output dir: {cfg.output_dir}")
@@ -381,7 +410,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     record.update(status=status, error=error, n_written=len(writer.written), n_missing=len(missing),
                   finished=time.strftime("%Y-%m-%dT%H:%M:%S"), wall_s=time.perf_counter() - t_start,
                   written_parts=writer.seq)
-    store.write_run_record(run_id, record)
+    try:
+        store.write_run_record(run_id, record)
+    except OSError as e:  # e.g. the disk is full: the parts written are whole, the record is a convenience
+        say(f"could not update the run record in {store.root}: {e}")
     if missing:
         say(f"{len(missing)} planned row(s) were not written (e.g. {missing[0]}); rerun the same command to "
             "compute only those")
@@ -421,11 +453,15 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     print(text, flush=True)
     out["summary"] = text
     try:
+        tracking.check_tracking_server(cfg.mlflow_uri)
         info = tracking.log_job(df=df, config=cfg.to_dict(), analysis=analysis, tracking_uri=cfg.mlflow_uri,
                                 experiment=cfg.experiment, output_dir=cfg.output_dir, job_name=cfg.job_name)
         out["mlflow"] = info
     except Exception as e:  # noqa: BLE001
-        say(f"MLflow logging failed ({type(e).__name__}: {e}); the Parquet output is complete")
+        out["mlflow_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        say(f"MLflow logging failed ({out['mlflow_error']}); the Parquet output is complete. Log it when the "
+            f"server is back: python jobs/backfill_mlflow.py --output-dir {cfg.output_dir} "
+            f"--tracking-uri {cfg.mlflow_uri}")
     return out
 
 
@@ -439,4 +475,6 @@ def main(task: str | None, argv: list[str] | None = None) -> int:
         return 2
     if result["status"] != "ok":
         return 1
+    if result.get("mlflow_error"):
+        return MLFLOW_FAILED_EXIT
     return 0

@@ -6,6 +6,8 @@ Layout of an output directory (``pd.read_parquet(output_dir)`` reads it as is)::
       part-<run_id>-00000.parquet    one file per evaluated batch, OUTPUT_SCHEMA, keyed on (sample_id, method)
       part-<run_id>-00001.parquet
       _runs/<run_id>.json            what each run planned and wrote (ignored by Parquet readers: leading "_")
+      _lock                          held (``fcntl.flock``) by the one job writing here; names its pid and host
+      _corrupt/<part>.parquet        parts found unreadable at a job's start, moved aside (their rows are redone)
 
 A part file appears under its final name only once it is complete: it is written to a hidden
 ``.tmp-*`` file in the same directory, flushed and fsynced, then renamed (``os.replace`` is atomic on
@@ -15,10 +17,13 @@ half-written part that a reader or a resume would see.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import glob
 import hashlib
 import json
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,6 +38,13 @@ from rcr.fileio import atomic_path, atomic_write_text
 
 PART_PREFIX = "part-"
 RUNS_DIR = "_runs"
+LOCK_FILE = "_lock"
+CORRUPT_DIR = "_corrupt"
+TMP_PREFIX = ".tmp-"  # rcr.fileio.atomic_path's temporaries
+
+
+class PartWriteError(OSError):
+    """A part file could not be written (e.g. the disk is full); the message names the output directory."""
 
 
 def new_run_id() -> str:
@@ -42,7 +54,8 @@ def new_run_id() -> str:
 def atomic_write_table(table: pa.Table, path: str | os.PathLike) -> Path:
     """Write ``table`` to ``path`` so that the file is either absent or complete."""
     with atomic_path(path) as fh:
-        pq.write_table(table, fh, compression="zstd")
+        # page checksums let a later job tell a part damaged on disk from a good one (OutputStore.set_aside_corrupt)
+        pq.write_table(table, fh, compression="zstd", write_page_checksum=True)
     return Path(path)
 
 
@@ -51,6 +64,62 @@ class OutputStore:
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
+        self._lock_fh = None  # the open _lock file while this process holds the directory
+
+    # ------------------------------------------------------------------ one job at a time
+
+    def acquire(self) -> None:
+        """Take the directory's lock for this process (released when it exits, however it exits), or raise
+        ConfigError naming the job that holds it. Two jobs writing one directory would each plan the same
+        missing rows and write them twice."""
+        if self._lock_fh is not None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        fh = open(self.root / LOCK_FILE, "a+")  # noqa: SIM115 - kept open: the lock lives as long as this file
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            raise ConfigError("output_dir", f"{self.root} is in use by another job ({holder}; lock file "
+                                            f"{self.root / LOCK_FILE}). Wait for it to finish, or pass another "
+                                            "--output-dir") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+        fh.flush()
+        self._lock_fh = fh
+
+    def release(self) -> None:
+        if self._lock_fh is not None:
+            fcntl.flock(self._lock_fh.fileno(), fcntl.LOCK_UN)
+            self._lock_fh.close()
+            self._lock_fh = None
+
+    def remove_stale_temps(self) -> list[str]:
+        """Delete the hidden temporaries of a writer that was killed mid-write (call while holding the lock)."""
+        gone = []
+        for p in self.root.glob(f"{TMP_PREFIX}*"):
+            p.unlink(missing_ok=True)
+            gone.append(p.name)
+        return gone
+
+    def set_aside_corrupt(self) -> list[str]:
+        """Move every part that does not read back whole (truncated, bad page checksum, not Parquet) to
+        ``_corrupt/``, where readers and the resume ignore it, so its rows are planned again. Returns the
+        names moved. Call while holding the lock."""
+        bad = []
+        for f in self.part_files():
+            try:
+                pq.read_table(f, page_checksum_verification=True)
+            except Exception:  # noqa: BLE001 - whatever pyarrow raises, the file cannot be used
+                (self.root / CORRUPT_DIR).mkdir(exist_ok=True)
+                os.replace(f, self.root / CORRUPT_DIR / f.name)
+                bad.append(f.name)
+        return bad
 
     def part_files(self) -> list[Path]:
         if not self.root.is_dir():
@@ -78,8 +147,12 @@ class OutputStore:
         return keys
 
     def write_part(self, table: pa.Table, run_id: str, seq: int) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        return atomic_write_table(table, self.root / f"{PART_PREFIX}{run_id}-{seq:05d}.parquet")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return atomic_write_table(table, self.root / f"{PART_PREFIX}{run_id}-{seq:05d}.parquet")
+        except OSError as e:  # the temporary is already removed: nothing partial is left under a part name
+            raise PartWriteError(e.errno, f"cannot write a part file in {self.root}: "
+                                          f"{e.strerror or e}") from e
 
     def read(self, columns: list[str] | None = None) -> pa.Table | None:
         files = self.part_files()

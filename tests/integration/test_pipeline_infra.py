@@ -7,7 +7,6 @@ import os
 import re
 import shlex
 import subprocess
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -73,12 +72,40 @@ def _job(args, **kw):
     (["--num-actors", "0"], "num_actors"),
 ])
 def test_bad_config_fails_before_model_work(flags, field, tmp_path):
-    t0 = time.time()
-    r = _job(["jobs/detailcaps.py", *flags, "--output-dir", str(tmp_path / "out")])
+    r, work = _job_watched(["jobs/detailcaps.py", *flags, "--output-dir", str(tmp_path / "out")], tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"field '{field}'" in r.stderr
     assert not (tmp_path / "out").exists()
-    assert "SampleEvaluator" not in r.stdout + r.stderr and time.time() - t0 < 60
+    assert work == {"ray_imported": False, "model_loads": 0}, work
+    assert "[rcr-job] job " not in r.stdout  # the driver's first line: run() never started
+
+
+# Runs a job script like `python jobs/x.py`, counting the model work it starts: calls of the model loader
+# (rcr.models.load, which every engine uses) and whether Ray was imported (actors, Ray Data); written at exit.
+_WATCH = """
+import atexit, json, runpy, sys
+import rcr.models
+mark, script = sys.argv[1], sys.argv[2]
+loads = []
+real_load = rcr.models.load
+def load(*a, **kw):
+    loads.append(1)
+    return real_load(*a, **kw)
+rcr.models.load = load
+atexit.register(lambda: open(mark, "w").write(json.dumps(
+    {"ray_imported": "ray" in sys.modules, "model_loads": len(loads)})))
+sys.argv = sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def _job_watched(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    import json
+
+    mark = tmp_path / "model-work.json"
+    r = _job(["-c", _WATCH, str(mark), *args])
+    assert mark.is_file(), r.stdout + r.stderr  # the watch ran to the end of the job
+    return r, json.loads(mark.read_text())
 
 
 def test_wrong_shard_schema_fails_before_model_work(tmp_path):
@@ -94,20 +121,47 @@ def test_wrong_shard_schema_fails_before_model_work(tmp_path):
     assert r.returncode == 2 and "unknown method 'bogus'" in r.stderr
 
 
+@pytest.mark.parametrize("column, bad_type, want", [
+    ("images", pa.binary(), "column 'images' has type binary"),
+    ("references", pa.string(), "column 'references' has type string"),  # references that are not a list
+])
+def test_wrong_column_type_in_one_shard_of_several_is_a_preflight_error(tmp_path, column, bad_type, want):
+    recs = synthetic_records("textcaps", 6)
+    for i in range(3):
+        write_shard(tmp_path / "shards" / f"s{i}.parquet", recs[2 * i: 2 * i + 2])
+    bad = tmp_path / "shards" / "s1.parquet"
+    t = pq.read_table(bad)
+    col = t.column(column).to_pylist()
+    value = [c[0] if c else None for c in col] if column == "images" else ["; ".join(c) for c in col]
+    pq.write_table(t.set_column(t.schema.get_field_index(column), column, pa.array(value, bad_type)), bad)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2_vl"}')
+    r, work = _job_watched(["jobs/textcaps.py", "--model", str(model), "--shards", str(tmp_path / "shards"),
+                            "--output-dir", str(tmp_path / "out")], tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = [ln for ln in r.stderr.splitlines() if "field 'shards'" in ln]
+    assert line and str(bad) in line[0] and want in line[0], r.stderr
+    assert work == {"ray_imported": False, "model_loads": 0}, work
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
     """infra/quickstart.sh (install skipped: this venv) starts Ray + MLflow on 127.0.0.1 via
     infra/local_cluster.sh, submits jobs/detailcaps.py with `ray job submit`, and the job ends with the
-    per-method summary and the locations; then `local_cluster.sh stop` stops exactly what it started."""
+    per-method summary and the locations; then `local_cluster.sh stop` stops exactly what it started.
+
+    Meanwhile another process (this one) holds the dashboard agent's default port, 52365, as another Ray on
+    the machine would: the cluster takes another port and the main command still succeeds. Every socket the
+    cluster listens on is on 127.0.0.1."""
     from tests.pipeline_helpers import tiny_qwen2_vl_dir
 
     runs = tmp_path / "runs"
-    env = dict(os.environ, RCR_RUNS_DIR=str(runs), RCR_RAY_PORT=str(free_port()), RCR_SKIP_INSTALL="1",
-               RCR_DASHBOARD_PORT=str(free_port()), RCR_MLFLOW_PORT=str(free_port()), RCR_NUM_CPUS="2",
-               RCR_RAY_TMP=f"/tmp/rcrq{os.getpid()}_{free_port()}",
-               PATH=f"{Path(PY).parent}:{os.environ.get('PATH', '')}")
-    env.pop("RAY_ADDRESS", None)
+    env = _cluster_env(runs)
+    env.update(RCR_SKIP_INSTALL="1", RCR_NUM_CPUS="2")
+    blocker = _hold_port(52365)  # None if another process holds it already: held either way
     shards = write_shard(tmp_path / "shards" / "s.parquet", synthetic_records("detailcaps", 2))
     model = str(tiny_qwen2_vl_dir(tmp_path))
     out = runs / "quick"
@@ -131,10 +185,17 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
 
         df = pd.read_parquet(out)
         assert len(df) == 2 * 3 and df["error"].isna().all()
+        socks = _listening(_cluster_pids(env["RCR_RAY_TMP"], pids))
+        assert any(port == int(env["RCR_DASHBOARD_PORT"]) for _, port, _ in socks), socks
+        assert any(port == int(env["RCR_MLFLOW_PORT"]) for _, port, _ in socks), socks
+        exposed = [s for s in socks if s[0] not in LOOPBACK]
+        assert not exposed, f"the cluster listens on non-loopback addresses: {exposed}"
+        assert not any(port == 52365 for _, port, _ in socks)
     finally:
+        if blocker is not None:
+            blocker.close()
         r = subprocess.run(["bash", script, "stop"], check=False, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    time.sleep(1)
     assert pids, "local_cluster.sh wrote no pid files"
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
@@ -146,3 +207,76 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
         except OSError:
             pass
     assert not left, f"processes of the stopped cluster still run: {left}"
+
+
+LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
+
+
+def _cluster_env(runs: Path) -> dict:
+    env = dict(os.environ, RCR_RUNS_DIR=str(runs), RCR_RAY_PORT=str(free_port()),
+               RCR_DASHBOARD_PORT=str(free_port()), RCR_MLFLOW_PORT=str(free_port()),
+               RCR_RAY_TMP=f"/tmp/rcrq{os.getpid()}_{free_port()}",
+               PATH=f"{Path(PY).parent}:{os.environ.get('PATH', '')}")
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _hold_port(port: int):
+    """A listening socket on 0.0.0.0:port owned by this test process, or None if the port is taken already."""
+    import socket
+
+    s = socket.socket()
+    try:
+        s.bind(("0.0.0.0", port))
+    except OSError:
+        s.close()
+        return None
+    s.listen()
+    return s
+
+
+def _cluster_pids(ray_tmp: str, group_leaders: list[int]) -> set[int]:
+    """The cluster's processes: those in the process groups local_cluster.sh started, or naming its temp dir."""
+    pids = set()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(p.name)) in group_leaders or ray_tmp.encode() in (p / "cmdline").read_bytes():
+                pids.add(int(p.name))
+        except OSError:
+            pass
+    return pids
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket listening in ``pids``, from `ss -ltnpH`."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True, timeout=30).stdout
+    socks = []
+    for line in out.splitlines():
+        cols = line.split()
+        addr, _, port = cols[3].rpartition(":")
+        for pid in map(int, re.findall(r"pid=(\d+)", line)):
+            if pid in pids:
+                socks.append((addr.strip("[]"), int(port), pid))
+    return socks
+
+
+def test_local_cluster_start_names_a_busy_port_and_its_holder_in_one_line(tmp_path):
+    """A port set in the environment that another process holds: `start` fails at once, before starting
+    anything, with one line naming the port, the variable and the holder's pid."""
+    blocker = _hold_port(0)
+    port = blocker.getsockname()[1]
+    try:
+        env = _cluster_env(tmp_path / "runs")
+        env["RCR_AGENT_HTTP_PORT"] = str(port)
+        r = subprocess.run(["bash", str(REPO / "infra" / "local_cluster.sh"), "start"], env=env, capture_output=True,
+                           text=True, timeout=120, check=False)
+    finally:
+        blocker.close()
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert f"port {port} (agent_http, set by RCR_AGENT_HTTP_PORT) is in use by pid {os.getpid()} " in lines[0]
+    assert "RCR_AGENT_HTTP_PORT to another port" in lines[0]
+    assert not (tmp_path / "runs" / "local-cluster" / "ray.pid").exists()  # nothing was started

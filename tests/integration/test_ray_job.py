@@ -4,13 +4,15 @@ One head serves the module (started with `ray start --head --block` on private p
 stopped by its own pid in the fixture teardown). The tests:
 
 1. N samples x M methods -> exactly N*M rows, no duplicate (sample_id, method), with the real core.
-2. An actor is SIGKILLed mid-job; Ray restarts it and retries its batch; still exactly N*M rows.
-3. The job is stopped mid-run and resubmitted; the second run computes only the missing rows.
+2. An actor is SIGKILLed mid-batch (at a gate after K samples); Ray restarts it and retries its batch;
+   still exactly N*M rows.
+3. The job is stopped at a gate after K samples and resubmitted; the second run computes only the missing rows.
 4. A shard with one example of each bad input: each bad one becomes error rows, each good one has output.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -95,23 +97,27 @@ def test_submit_gives_exactly_n_x_m_rows(head, real_model, tmp_path):
 
 
 def test_actor_killed_mid_job_still_n_x_m(head, tmp_path):
-    n, methods = 8, ["full", "bacon", "rcr"]
+    """The actor is killed at a known point: its engine lets K samples through, then waits on a gate file, so
+    the kill lands mid-batch after exactly K parts, whatever the machine's load. The gate is opened after the
+    kill: the restarted actor redoes the interrupted batch and the rest."""
+    n, k, methods = 8, 2, ["full", "bacon", "rcr"]
     recs = synthetic_records("textcaps", n)
     write_shard(tmp_path / "shards" / "s0.parquet", recs)
     out = tmp_path / "out"
+    gate = tmp_path / "gate"
     sub = f"kill-actor-{uuid.uuid4().hex[:8]}"
     args = _job_args("jobs/textcaps.py", out, tmp_path / "shards", str(fake_model_dir(tmp_path)), ",".join(methods),
-                     "--engine", "tests.pipeline_helpers:SlowFakeEngine", "--batch-size", "1", "--no-summary")
+                     "--engine", "tests.pipeline_helpers:GatedFakeEngine", "--batch-size", "1", "--num-actors", "1",
+                     "--no-summary")
+    env = {"env_vars": {"RCR_TEST_GATE": str(gate), "RCR_TEST_GATE_AFTER": str(k)}}
     r = head.ray_cli("job", "submit", "--address", head.address, "--working-dir", str(REPO), "--no-wait",
-                     "--submission-id", sub, "--", "python", *args, timeout=300)
+                     "--submission-id", sub, "--runtime-env-json", json.dumps(env), "--", "python", *args, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    deadline = time.time() + 300
-    while not list(out.glob("part-*.parquet")):  # wait for the first batch to land
-        assert time.time() < deadline and head.job_status(sub) in ("PENDING", "RUNNING"), head.job_logs(sub)[-4000:]
-        time.sleep(0.5)
+    _wait_at_gate(head, sub, gate, out, k)
     pids = head.actor_pids("SampleEvaluator")
-    assert pids, "no SampleEvaluator actor found"
+    assert len(pids) == 1, f"expected the one SampleEvaluator actor, found {pids}"
     os.kill(pids[0], signal.SIGKILL)
+    gate.touch()
     assert head.wait_job(sub, timeout=600) == "SUCCEEDED", head.job_logs(sub)[-6000:]
     df = pd.read_parquet(out)
     _assert_exact(df, [r["sample_id"] for r in recs], methods)
@@ -119,28 +125,38 @@ def test_actor_killed_mid_job_still_n_x_m(head, tmp_path):
     assert pids[0] not in head.actor_pids("SampleEvaluator")
 
 
+def _wait_at_gate(head, sub: str, gate: Path, out: Path, k: int) -> None:
+    """Until the job's engine waits at ``gate`` with exactly ``k`` parts written (files, not time); fail with
+    the job's log if the job ends first."""
+    waiting = Path(f"{gate}.waiting")
+    while not (waiting.exists() and len(list(out.glob("part-*.parquet"))) == k):
+        assert head.job_status(sub) in ("PENDING", "RUNNING"), head.job_logs(sub)[-4000:]
+        time.sleep(0.5)
+
+
 def test_stopped_job_resumes_only_missing_rows(head, tmp_path):
-    n, methods = 8, ["full", "bacon", "rcr"]
+    """The job is stopped at a known point: the engine lets K samples through, then waits on a gate file
+    that is never created, so exactly K parts exist when `ray job stop` runs, whatever the machine's load."""
+    n, k, methods = 8, 3, ["full", "bacon", "rcr"]
     recs = synthetic_records("detailcaps", n)
     write_shard(tmp_path / "shards" / "s0.parquet", recs)
     out = tmp_path / "out"
+    gate = tmp_path / "gate"
     args = _job_args("jobs/detailcaps.py", out, tmp_path / "shards", str(fake_model_dir(tmp_path)), ",".join(methods),
-                     "--engine", "tests.pipeline_helpers:SlowFakeEngine", "--batch-size", "1", "--no-summary")
+                     "--engine", "tests.pipeline_helpers:GatedFakeEngine", "--batch-size", "1", "--num-actors", "1",
+                     "--no-summary")
     sub = f"stop-job-{uuid.uuid4().hex[:8]}"
+    env = {"env_vars": {"RCR_TEST_GATE": str(gate), "RCR_TEST_GATE_AFTER": str(k)}}
     r = head.ray_cli("job", "submit", "--address", head.address, "--working-dir", str(REPO), "--no-wait",
-                     "--submission-id", sub, "--", "python", *args, timeout=300)
+                     "--submission-id", sub, "--runtime-env-json", json.dumps(env), "--", "python", *args, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    deadline = time.time() + 300
-    while len(list(out.glob("part-*.parquet"))) < 2:
-        assert time.time() < deadline and head.job_status(sub) in ("PENDING", "RUNNING"), head.job_logs(sub)[-4000:]
-        time.sleep(0.3)
+    _wait_at_gate(head, sub, gate, out, k)
     head.ray_cli("job", "stop", "--address", head.address, sub, timeout=120)
-    assert head.wait_job(sub, timeout=120) == "STOPPED"
+    assert head.wait_job(sub, timeout=300) == "STOPPED"
     first_files = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
     first = pd.read_parquet(out)
+    assert len(first_files) == k and len(first) == k * len(methods) and len(set(_keys(first))) == k * len(methods)
     k = len(first)
-    assert 0 < k < n * len(methods), f"the stop came too late or too early ({k} rows)"
-    assert len(set(_keys(first))) == k
 
     log = _submit_ok(head, args)  # the same command again
     assert f"{k} already in the output dir, {n * len(methods) - k} to compute" in log

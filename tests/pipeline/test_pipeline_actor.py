@@ -54,6 +54,11 @@ def test_bad_inputs_become_error_rows(evaluator):
     recs, expect = bad_input_records(synthetic_records("detailcaps", 1)[0])
     recs = [r for r in recs if r is not recs[-1]]  # the duplicate id is the driver's business
     expect.pop("good-a#dup2")
+    # invalid UTF-8 exists only in a Parquet shard, and the context check is the real engine's:
+    # both run through the driver in tests/pipeline/test_faults.py and tests/integration/test_ray_job.py
+    recs = [r for r in recs if r["sample_id"] not in ("prompt-bad-utf8", "too-long")]
+    expect.pop("prompt-bad-utf8")
+    expect.pop("too-long")
     t = evaluator(pa.Table.from_pylist(recs)).to_pandas()
     assert len(t) == len(recs) * len(METHODS)
     for sid, err in expect.items():

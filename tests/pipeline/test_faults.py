@@ -1,0 +1,201 @@
+"""Fault injection into the job driver and its output store, in this process (no Ray, no subprocess).
+
+The driver runs without Ray (tests/inline_driver.py: the planned rows go through SampleEvaluator here), so
+everything a fault touches (planning, the lock, the writes, the resume, MLflow logging) is the driver's own
+code. Each case checks that no row is lost or duplicated and that the next run of the same command
+completes the output with exactly the missing rows. Faults that need a second process (SIGKILL, two jobs
+at once, a tracking server killed mid-job) are in tests/integration/test_faults.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pandas as pd
+import pytest
+
+from jobs import backfill_mlflow
+from pipeline.run import driver
+from pipeline.run.config import ConfigError
+from pipeline.run.store import OutputStore
+from tests import inline_driver
+from tests.fault_helpers import (
+    METHODS,
+    N,
+    assert_exact,
+    assert_one_parent_one_child_per_method,
+    keys,
+    make_job,
+    parts,
+    run_inline,
+)
+from tests.pipeline_helpers import REPO, bad_input_records, free_port, synthetic_records, tiny_qwen2_vl_dir, write_shard
+
+
+@pytest.fixture
+def job(tmp_path):
+    return make_job(tmp_path)
+
+
+def test_enospc_at_part_write_leaves_whole_parts_and_a_rerun_completes(job, monkeypatch, capsys):
+    import pyarrow.parquet as pq_mod
+
+    real, calls = pq_mod.write_table, [0]
+
+    def full_disk(table, where, *a, **kw):  # the third part write runs out of space halfway
+        calls[0] += 1
+        if calls[0] == 3:
+            where.write(b"PAR1" + b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(table, where, *a, **kw)
+
+    monkeypatch.setattr(pq_mod, "write_table", full_disk)
+    rep = run_inline(job["argv"]("--no-summary"))
+    out = job["out"]
+    assert rep["status"] == "failed" and f"in {out}" in rep["error"] and "No space left" in rep["error"]
+    assert (f"writing the output failed: [Errno {errno.ENOSPC}] cannot write a part file in {out}"
+            in capsys.readouterr().out)
+    assert not list(out.glob(".tmp-*")), "a partial temporary was left"
+    first = parts(out)
+    assert len(first) == 2 and rep["n_written"] == 2 * len(METHODS)  # whole parts only; each reads back
+    monkeypatch.setattr(pq_mod, "write_table", real)  # space is back
+
+    rep2 = run_inline(job["argv"]("--no-summary"))
+    assert rep2["status"] == "ok" and rep2["n_existing"] == 2 * len(METHODS)
+    assert rep2["n_written"] == (N - 2) * len(METHODS)
+    assert_exact(out, job["ids"])
+    assert {k: v for k, v in parts(out).items() if k in first} == first  # the first run's parts untouched
+
+
+def test_stale_temporary_of_a_killed_writer_is_removed(job, capsys):
+    """What a writer killed mid-write leaves (a hidden half-written temporary) is cleared by the next job,
+    under the lock; readers never saw it. The kill itself: tests/integration/test_faults.py."""
+    out = job["out"]
+    out.mkdir()
+    (out / ".tmp-part-x-00000.parquet.123").write_bytes(b"PAR1 half a part")
+    rep = run_inline(job["argv"]("--no-summary"))
+    assert f"removed the temporary file(s) of an interrupted write in {out}" in capsys.readouterr().out
+    assert rep["status"] == "ok" and not list(out.glob(".tmp-*"))
+    assert_exact(out, job["ids"])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bytes-flipped", "not-parquet"])
+def test_corrupt_part_is_named_set_aside_and_only_its_rows_redone(job, capsys, damage):
+    out = job["out"]
+    assert run_inline(job["argv"]("--no-summary"))["status"] == "ok"
+    before = parts(out)
+    victim = sorted(before)[2]
+    path = out / victim
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) * 2 // 3])
+    elif damage == "bytes-flipped":  # inside the data pages, where only the page checksums can see it
+        mid = len(data) // 3
+        path.write_bytes(data[:mid] + bytes(b ^ 0xFF for b in data[mid:mid + 16]) + data[mid + 16:])
+    else:
+        path.write_bytes(b"this was overwritten by something else")
+    capsys.readouterr()
+
+    rep = run_inline(job["argv"]("--no-summary"))
+    log = capsys.readouterr().out
+    assert f"part file {victim} is corrupt or truncated" in log
+    assert (out / "_corrupt" / victim).is_file() and not path.exists()
+    assert rep["status"] == "ok" and rep["n_written"] == len(before[victim])
+    assert rep["n_existing"] == N * len(METHODS) - len(before[victim])
+    new = {k: v for k, v in parts(out).items() if k not in before}
+    assert set().union(*new.values()) == before[victim]  # exactly the lost rows, nothing else
+    assert_exact(out, job["ids"])
+
+
+def test_lock_is_exclusive_names_its_holder_and_is_released(tmp_path):
+    a, b = OutputStore(tmp_path / "o"), OutputStore(tmp_path / "o")
+    a.acquire()
+    with pytest.raises(ConfigError, match=rf"in use by another job \(pid {os.getpid()} "):
+        b.acquire()
+    a.release()
+    b.acquire()  # free again once released
+    b.release()
+
+
+def test_the_driver_holds_the_lock_for_the_whole_job_and_releases_it(job):
+    """While the job writes its parts another job is refused; afterwards the directory is free again."""
+    seen = []
+    real = OutputStore.write_part
+
+    def write_part(self, table, run_id, seq):
+        with pytest.raises(ConfigError, match="in use by another job"):
+            OutputStore(job["out"]).acquire()
+        seen.append(seq)
+        return real(self, table, run_id, seq)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(OutputStore, "write_part", write_part)
+    try:
+        assert run_inline(job["argv"]("--no-summary"))["status"] == "ok"
+    finally:
+        mp.undo()
+    assert len(seen) == N
+    other = OutputStore(job["out"])
+    other.acquire()
+    other.release()
+
+
+def test_out_of_memory_on_one_sample_errors_only_that_sample(job):
+    recs = synthetic_records("detailcaps", N)
+    recs[3]["prompt"] = "OOM " + recs[3]["prompt"]
+    for f in (job["tmp"] / "shards").glob("*.parquet"):
+        f.unlink()
+    write_shard(job["tmp"] / "shards" / "s0.parquet", recs)
+    rep = run_inline(job["argv"]("--no-summary", "--batch-size", "4"))
+    assert rep["status"] == "ok"
+    df = assert_exact(job["out"], job["ids"])
+    bad = df[df["sample_id"] == recs[3]["sample_id"]]
+    assert bad["error"].str.contains("model error: OutOfMemoryError: CUDA out of memory").all()
+    assert df[df["sample_id"] != recs[3]["sample_id"]]["error"].isna().all()
+    assert (df[df["error"].isna()]["n_steps"] > 0).all()
+    rep2 = run_inline(job["argv"]("--no-summary", "--batch-size", "4"))
+    assert rep2["n_written"] == 0  # error rows are rows: the output is complete
+
+
+def test_mlflow_server_down_for_the_whole_job_then_backfill(job, monkeypatch, capsys):
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    inline_driver.install(monkeypatch.setattr)
+    code = driver.main("detailcaps", job["argv"](mlflow=down))
+    log = capsys.readouterr().out
+    assert code == driver.MLFLOW_FAILED_EXIT == 3
+    line = [ln for ln in log.splitlines() if "MLflow logging failed" in ln]
+    assert line and "the Parquet output is complete" in line[0] and "python jobs/backfill_mlflow.py" in line[0]
+    assert f"--output-dir {job['out']}" in line[0] and f"--tracking-uri {down}" in line[0]
+    assert_exact(job["out"], job["ids"])
+
+    store = f"sqlite:///{job['tmp'] / 'later.db'}"  # where the runs go once tracking is back
+    assert backfill_mlflow.main(["--output-dir", str(job["out"]), "--tracking-uri", store,
+                                 "--bootstrap-resamples", "200", "--no-summary"]) == 0
+    assert_one_parent_one_child_per_method(store)
+
+
+def test_every_bad_input_kind_through_the_driver(tmp_path):
+    """All row-level bad inputs (tests/pipeline_helpers.bad_input_records) in one shard, through the driver
+    and the real engine (the context check needs its processor): each bad sample becomes its error rows,
+    every good one is evaluated. The two pre-flight kinds (a wrong column type in one shard of several,
+    references that are not a list) are in tests/integration/test_pipeline_infra.py."""
+    model = "embedded" if (REPO / "assets" / "embedded" / "model" / "config.json").is_file() else \
+        str(tiny_qwen2_vl_dir(tmp_path))
+    recs, expect = bad_input_records(synthetic_records("detailcaps", 1)[0])
+    write_shard(tmp_path / "shards" / "bad.parquet", recs)
+    out = tmp_path / "out"
+    rep = run_inline(["--model", model, "--shards", str(tmp_path / "shards"), "--methods", ",".join(METHODS),
+                      "--output-dir", str(out), "--max-new-tokens", "3", "--batch-size", "4", "--no-summary",
+                      "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"])
+    assert rep["status"] == "ok"
+    df = pd.read_parquet(out)
+    k = keys(df)
+    assert len(k) == len(set(k)) and set(k) == {(s, m) for s in expect for m in METHODS}
+    assert sum(e is not None for e in expect.values()) >= 12  # kinds of bad input, besides the 2 pre-flight ones
+    for sid, err in expect.items():
+        rows = df[df["sample_id"] == sid]
+        if err is None:
+            assert rows["error"].isna().all() and (rows["n_steps"] >= 1).all(), (sid, rows["error"].tolist())
+        else:
+            assert rows["error"].str.contains(err, regex=False).all(), (sid, rows["error"].tolist())

@@ -135,8 +135,6 @@ class FakeResult:
 class FakeEngine:
     """Deterministic stand-in for the core: output tokens are a function of (prompt, image bytes, method)."""
 
-    delay_s = 0.0  # per sample and call
-
     def __init__(self, cfg, device, dtype):
         self.cfg = cfg
         self.n_layers = 2
@@ -150,7 +148,6 @@ class FakeEngine:
             import torch
 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        time.sleep(self.delay_s * len(prompts))
         out = {}
         for m in methods:
             seqs = []
@@ -166,10 +163,6 @@ class FakeEngine:
 
     def recover(self) -> None:
         pass
-
-
-class SlowFakeEngine(FakeEngine):
-    delay_s = 1.0
 
 
 class GatedFakeEngine(FakeEngine):

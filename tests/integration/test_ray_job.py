@@ -4,7 +4,8 @@ One head serves the module (started with `ray start --head --block` on private p
 stopped by its own pid in the fixture teardown). The tests:
 
 1. N samples x M methods -> exactly N*M rows, no duplicate (sample_id, method), with the real core.
-2. An actor is SIGKILLed mid-job; Ray restarts it and retries its batch; still exactly N*M rows.
+2. An actor is SIGKILLed mid-batch (at a gate after K samples); Ray restarts it and retries its batch;
+   still exactly N*M rows.
 3. The job is stopped at a gate after K samples and resubmitted; the second run computes only the missing rows.
 4. A shard with one example of each bad input: each bad one becomes error rows, each good one has output.
 """

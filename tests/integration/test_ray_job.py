@@ -98,9 +98,9 @@ def test_submit_gives_exactly_n_x_m_rows(head, real_model, tmp_path):
 
 def test_actor_killed_mid_job_still_n_x_m(head, tmp_path):
     """The actor is killed at a known point: its engine lets K samples through, then waits on a gate file, so
-    the kill lands mid-batch after exactly K parts, whatever the machine's load. The gate is opened after the
-    kill: the restarted actor redoes the interrupted batch and the rest."""
-    n, k, methods = 8, 2, ["full", "bacon", "rcr"]
+    the kill lands mid-batch with some parts written, whatever the machine's load. The gate is opened after
+    the kill: the restarted actor redoes the interrupted batch and the rest."""
+    n, k, methods = 8, 3, ["full", "bacon", "rcr"]
     recs = synthetic_records("textcaps", n)
     write_shard(tmp_path / "shards" / "s0.parquet", recs)
     out = tmp_path / "out"
@@ -113,7 +113,7 @@ def test_actor_killed_mid_job_still_n_x_m(head, tmp_path):
     r = head.ray_cli("job", "submit", "--address", head.address, "--working-dir", str(REPO), "--no-wait",
                      "--submission-id", sub, "--runtime-env-json", json.dumps(env), "--", "python", *args, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    _wait_at_gate(head, sub, gate, out, k)
+    _wait_at_gate(head, sub, gate, out)
     pids = head.actor_pids("SampleEvaluator")
     assert len(pids) == 1, f"expected the one SampleEvaluator actor, found {pids}"
     os.kill(pids[0], signal.SIGKILL)
@@ -125,18 +125,20 @@ def test_actor_killed_mid_job_still_n_x_m(head, tmp_path):
     assert pids[0] not in head.actor_pids("SampleEvaluator")
 
 
-def _wait_at_gate(head, sub: str, gate: Path, out: Path, k: int) -> None:
-    """Until the job's engine waits at ``gate`` with exactly ``k`` parts written (files, not time); fail with
-    the job's log if the job ends first."""
+def _wait_at_gate(head, sub: str, gate: Path, out: Path) -> None:
+    """Until the job's engine waits at ``gate`` and at least one part is on disk (files, not time); fail with
+    the job's log if the job ends first. How many of the K samples let through before the gate have reached
+    the driver by then is Ray Data's business (it may hold finished outputs back), so it is not asserted."""
     waiting = Path(f"{gate}.waiting")
-    while not (waiting.exists() and len(list(out.glob("part-*.parquet"))) == k):
+    while not (waiting.exists() and any(out.glob("part-*.parquet"))):
         assert head.job_status(sub) in ("PENDING", "RUNNING"), head.job_logs(sub)[-4000:]
         time.sleep(0.5)
 
 
 def test_stopped_job_resumes_only_missing_rows(head, tmp_path):
     """The job is stopped at a known point: the engine lets K samples through, then waits on a gate file
-    that is never created, so exactly K parts exist when `ray job stop` runs, whatever the machine's load."""
+    that is never created, so `ray job stop` lands with 1..K parts written and at least N - K samples left,
+    whatever the machine's load."""
     n, k, methods = 8, 3, ["full", "bacon", "rcr"]
     recs = synthetic_records("detailcaps", n)
     write_shard(tmp_path / "shards" / "s0.parquet", recs)
@@ -150,12 +152,14 @@ def test_stopped_job_resumes_only_missing_rows(head, tmp_path):
     r = head.ray_cli("job", "submit", "--address", head.address, "--working-dir", str(REPO), "--no-wait",
                      "--submission-id", sub, "--runtime-env-json", json.dumps(env), "--", "python", *args, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    _wait_at_gate(head, sub, gate, out, k)
+    _wait_at_gate(head, sub, gate, out)
     head.ray_cli("job", "stop", "--address", head.address, sub, timeout=120)
     assert head.wait_job(sub, timeout=300) == "STOPPED"
     first_files = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
     first = pd.read_parquet(out)
-    assert len(first_files) == k and len(first) == k * len(methods) and len(set(_keys(first))) == k * len(methods)
+    n_first = first["sample_id"].nunique()
+    assert first_files and 1 <= n_first <= k
+    assert len(first) == n_first * len(methods) == len(set(_keys(first)))
     k = len(first)
 
     log = _submit_ok(head, args)  # the same command again

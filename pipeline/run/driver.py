@@ -72,10 +72,7 @@ def say(msg: str) -> None:
 
 
 def embedded_shards(task: str) -> list[str]:
-    """The embedded synthetic shards for ``task``: shipped ones if present, else generated once (deterministic)."""
-    shipped = REPO_ROOT / "assets" / "embedded" / "shards" / task
-    if shipped.is_dir() and any(shipped.glob("*.parquet")):
-        return [str(shipped)]
+    """The embedded synthetic shards for ``task``, generated once (deterministic) into the runs directory."""
     # keyed on the scene layout: shards cached for an earlier embedded model's layout are never reused
     layout = synthetic.DEFAULT_LAYOUT
     cache = default_runs_root() / "shards" / layout / task

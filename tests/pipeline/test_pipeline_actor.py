@@ -94,7 +94,6 @@ def test_embedded_shards_are_generated_once(tmp_path, monkeypatch):
 
     monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path))
     monkeypatch.setitem(data.EMBEDDED_SIZES, "textcaps", 3)
-    monkeypatch.setattr(run, "REPO_ROOT", tmp_path / "no-repo")  # no shipped shards
     (d,) = run.embedded_shards("textcaps")
     files = sorted(Path(d).glob("*.parquet"))
     assert files and sum(pa.parquet.read_metadata(f).num_rows for f in files) == 3
@@ -112,7 +111,6 @@ def test_embedded_shards_follow_the_model_layout(tmp_path, monkeypatch):
 
     monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path))
     monkeypatch.setitem(data.EMBEDDED_SIZES, "detailcaps", 2)
-    monkeypatch.setattr(run, "REPO_ROOT", tmp_path / "no-repo")
     dirs = {}
     for layout in ("v1", "v2"):
         monkeypatch.setattr(synthetic, "DEFAULT_LAYOUT", layout)

@@ -346,9 +346,10 @@ def _driver_error_table(cfg: JobConfig, plan: Plan) -> pa.Table:
 def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) -> tuple[str, str | None]:
     """The model work, through Ray: every result block to ``writer``. Returns (status, error)."""
     ray = _ray_init(cfg)
-    preflight.check_cluster(cfg, ray.cluster_resources())
-    res = actor_resources(cfg, ray.cluster_resources())
-    say(f"ray: {ray.cluster_resources().get('CPU', 0):.0f} CPU / {ray.cluster_resources().get('GPU', 0):.0f} GPU; "
+    cluster = ray.cluster_resources()
+    preflight.check_cluster(cfg, cluster)
+    res = actor_resources(cfg, cluster)
+    say(f"ray: {cluster.get('CPU', 0):.0f} CPU / {cluster.get('GPU', 0):.0f} GPU; "
         f"{cfg.num_actors} actor(s) x (num_gpus={res['num_gpus']:g}, num_cpus={res['num_cpus']:g}, "
         f"torch threads {res['torch_threads']}), batch size {cfg.batch_size}")
     ds = _build_dataset(ray, cfg, paths, plan, res)

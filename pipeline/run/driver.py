@@ -382,8 +382,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     t_start = time.perf_counter()
     quiet.quiet_driver_logging()
+    preflight.check(cfg)  # model and device: one line and exit code 2, before anything is written or Ray starts
     paths, plan = plan_job(cfg, store)
-    preflight.check(cfg)  # model and device: one line and exit code 2, before any row is computed or Ray starts
     say(f"job {cfg.job_name}: task={cfg.task} model={cfg.model} methods={','.join(cfg.methods)} "
         f"max_new_tokens={cfg.max_new_tokens} config_hash={cfg.config_hash}")
     say(f"output dir: {cfg.output_dir}")

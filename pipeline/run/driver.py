@@ -104,7 +104,9 @@ def dataset_shards(spec: str, task: str) -> list[str]:
     return [str(cache)]
 
 
-def plan_job(cfg: JobConfig, store: OutputStore) -> tuple[list[str], Plan]:
+def scan_inputs(cfg: JobConfig) -> tuple[list[str], list, Any]:
+    """The job's shard paths and rows, schema-checked; (paths, rows, duplicate policy). Writes nothing to the
+    output directory, so a bad shard fails before the output directory is created or locked."""
     if cfg.dataset is not None:
         specs = dataset_shards(cfg.dataset, cfg.task)
     else:
@@ -113,6 +115,13 @@ def plan_job(cfg: JobConfig, store: OutputStore) -> tuple[list[str], Plan]:
     rows, dup_accept = scan_shards(paths, cfg.limit)
     if not rows:
         raise ConfigError("shards", "the shards hold no rows")
+    return paths, rows, dup_accept
+
+
+def plan_job(cfg: JobConfig, store: OutputStore, inputs: tuple | None = None) -> tuple[list[str], Plan]:
+    """Lock the output directory and plan what is missing in it. ``inputs``: ``scan_inputs(cfg)``, when the
+    caller has it already."""
+    paths, rows, dup_accept = inputs or scan_inputs(cfg)
     open_output_dir(store)
     existing = store.existing_keys(cfg.config_hash)
     return paths, make_plan(rows, cfg.methods, existing, dup_accept)
@@ -382,8 +391,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     t_start = time.perf_counter()
     quiet.quiet_driver_logging()
+    inputs = scan_inputs(cfg)  # bad shards: field 'shards', before the model is looked at
     preflight.check(cfg)  # model and device: one line and exit code 2, before anything is written or Ray starts
-    paths, plan = plan_job(cfg, store)
+    paths, plan = plan_job(cfg, store, inputs)
     say(f"job {cfg.job_name}: task={cfg.task} model={cfg.model} methods={','.join(cfg.methods)} "
         f"max_new_tokens={cfg.max_new_tokens} config_hash={cfg.config_hash}")
     say(f"output dir: {cfg.output_dir}")

@@ -118,10 +118,9 @@ def scan_inputs(cfg: JobConfig) -> tuple[list[str], list, Any]:
     return paths, rows, dup_accept
 
 
-def plan_job(cfg: JobConfig, store: OutputStore, inputs: tuple | None = None) -> tuple[list[str], Plan]:
-    """Lock the output directory and plan what is missing in it. ``inputs``: ``scan_inputs(cfg)``, when the
-    caller has it already."""
-    paths, rows, dup_accept = inputs or scan_inputs(cfg)
+def plan_job(cfg: JobConfig, store: OutputStore, inputs: tuple) -> tuple[list[str], Plan]:
+    """Lock the output directory and plan what is missing in it. ``inputs``: ``scan_inputs(cfg)``."""
+    paths, rows, dup_accept = inputs
     open_output_dir(store)
     existing = store.existing_keys(cfg.config_hash)
     return paths, make_plan(rows, cfg.methods, existing, dup_accept)

@@ -163,7 +163,7 @@ def test_job_dataset_from_a_local_copy_is_converted_once(tmp_path, monkeypatch):
 
     def plan(spec):
         cfg = JobConfig.from_args(["--dataset", spec, "--output-dir", str(tmp_path / "out")], task="textcaps")
-        paths, p = driver.plan_job(cfg, OutputStore(cfg.output_dir))
+        paths, p = driver.plan_job(cfg, OutputStore(cfg.output_dir), driver.scan_inputs(cfg))
         return paths, [r.sample_id for r in p.rows]
 
     paths, ids = plan(str(tmp_path / "tc"))

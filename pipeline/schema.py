@@ -163,7 +163,7 @@ OUTPUT_SCHEMA = pa.schema([
     # per-layer-step telemetry, [layer][step]
     pa.field("drift", _F32_LL),
     pa.field("drift_exact", _F32_LL),
-    pa.field("trigger", pa.list_(pa.list_(pa.bool_()))),
+    pa.field("trigger", pa.list_(pa.list_(pa.bool_()))),  # null for a layer never re-selected (sliding window)
     pa.field("tau", _F32_LL),
     pa.field("top_prefix_pos", pa.list_(pa.list_(pa.int32()))),  # on `full` rows when recorded
     # timings (of the model call that produced the row; shared by the samples of one batch)
@@ -228,7 +228,8 @@ def telemetry_summary(s: dict) -> dict[str, float | None]:
     steps = s["drift"].shape[1]
     bytes_moved = s.get("bytes_moved")
     return {
-        "refresh_fraction": float(s["trigger"].mean()) if steps else 0.0,
+        # over the re-selected layers: a sliding-window layer's trigger is NaN (rcr.telemetry.Telemetry)
+        "refresh_fraction": _mean(s["trigger"]) if steps else 0.0,
         "mean_drift": _mean(s["drift"]),
         "mean_drift_exact": _mean(s.get("drift_exact")),
         "keys_read_per_step": float(s["keys_read"].mean()) if steps else 0.0,
@@ -241,6 +242,11 @@ def telemetry_summary(s: dict) -> dict[str, float | None]:
 
 def _lists(a: np.ndarray | None, dtype) -> list | None:
     return None if a is None else a.astype(dtype).tolist()  # (L, steps) -> [layer][step]
+
+
+def _trigger_lists(a: np.ndarray) -> list:
+    """(L, steps) float trigger -> [layer][step] bools; null for a layer never re-selected (all NaN)."""
+    return [None if steps.size and np.isnan(steps).all() else steps.astype(bool).tolist() for steps in a]
 
 
 def output_row(job: JobStamp, sample: dict, method: str, result: Any, b: int, text: str) -> dict:
@@ -258,7 +264,7 @@ def output_row(job: JobStamp, sample: dict, method: str, result: Any, b: int, te
         **telemetry_summary(s),
         "drift": _lists(s["drift"], np.float32),
         "drift_exact": _lists(s.get("drift_exact"), np.float32),
-        "trigger": _lists(s["trigger"], bool),
+        "trigger": _trigger_lists(s["trigger"]),
         "tau": _lists(s["tau"], np.float32),
         "top_prefix_pos": _lists(s.get("top_prefix_pos"), np.int32),
         "prefill_s": float(result.prefill_s),

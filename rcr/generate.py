@@ -184,7 +184,8 @@ class Decoder:
         self.state = method.init_state(prefix)  # detectors etc. are built on the device, as after a prefill
         # the most-attended prefix position is a property of uncompressed attention: recorded on `full` only
         self.tel = Telemetry(B, L, max(max_new_tokens - 1, 0), dev, cfg.exact_drift,
-                             cfg.record_attention and method.uncompressed)
+                             cfg.record_attention and method.uncompressed,
+                             reselected=[pl.sliding_window is None for pl in prefix.layers])
         masked = self.static or not bool(prefix.valid.all()) or any(not bool(layer.resident_valid.all())
                                                                     for layer in self.cache.layers)
         # offload mode: from here on the method and its resident layers see only the host-memory store

@@ -17,15 +17,22 @@ FIELDS_FLOAT = ("drift", "tau", "trigger", "keys_read", "values_read", "detector
 class Telemetry:
     """Device-side recorder. ``trigger`` holds the fraction of the layer's KV heads that refreshed
     (exactly 0 or 1 with the default per-layer trigger); read counts are per KV head and count only reads a
-    refresh needs (the deployment accounting; GPU-only masked merges issue them every step)."""
+    refresh needs (the deployment accounting; GPU-only masked merges issue them every step).
 
-    def __init__(self, batch: int, layers: int, steps: int, device, exact_drift: bool, record_attention: bool):
+    ``reselected`` (L,) says which layers have a selection at all: a sliding-window layer keeps its whole window
+    and is never re-selected, so its ``trigger`` stays NaN (not 0) and refresh fractions are over the others."""
+
+    def __init__(self, batch: int, layers: int, steps: int, device, exact_drift: bool, record_attention: bool,
+                 reselected: list[bool] | None = None):
         def buf(dtype=torch.float32, fill=0.0):
             return torch.full((batch, layers, steps), fill, dtype=dtype, device=device)
 
         self.drift = buf(fill=float("nan"))  # estimated drift (NaN: method has no detector)
         self.tau = buf(fill=float("nan"))
         self.trigger = buf()
+        for layer, selects in enumerate(reselected or []):
+            if not selects:
+                self.trigger[:, layer] = float("nan")
         self.keys_read = buf()
         self.values_read = buf()
         self.detector_dots = buf()

@@ -14,18 +14,20 @@ from pipeline.schema import Col
 
 
 def as_2d(x, dtype=float) -> np.ndarray | None:
-    """[layer][step] nested list / array of arrays -> 2-D array (None if missing or empty)."""
+    """[layer][step] nested list / array of arrays -> 2-D array (None if missing or empty). A null layer (a
+    ``trigger`` row of a layer that is never re-selected) becomes a row of NaN (float) / False."""
     if x is None:
         return None
     if isinstance(x, float) and math.isnan(x):
         return None
     try:
-        rows = [np.asarray(r, dtype=dtype) for r in x]
+        rows = [None if r is None else np.asarray(r, dtype=dtype) for r in x]
     except TypeError:
         return None
-    if not rows:
+    if not any(r is not None for r in rows):
         return None
-    width = max(r.shape[0] for r in rows)
+    width = max(r.shape[0] for r in rows if r is not None)
+    rows = [np.empty(0, dtype=dtype) if r is None else r for r in rows]
     if any(r.shape[0] != width for r in rows):  # ragged: pad with NaN (float) / False
         fill = np.nan if np.issubdtype(np.dtype(dtype), np.floating) else 0
         rows = [np.concatenate([r, np.full(width - r.shape[0], fill, dtype=dtype)]) for r in rows]

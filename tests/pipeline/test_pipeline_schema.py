@@ -17,6 +17,7 @@ from pipeline.analysis import tracking
 from pipeline.analysis.analyze import METHOD_MEANS, analyze
 from pipeline.analysis.labels import order_methods
 from pipeline.analysis.report import minimal_summary
+from pipeline.analysis.telemetry import as_2d
 from pipeline.data import convert, decode_image, synthetic
 from pipeline.data.images import load_sample_images
 from pipeline.run import config, store
@@ -44,6 +45,20 @@ def _result(lengths=(5, 2), L=3, T=6) -> GenerationResult:
     seq = torch.arange(B * T).reshape(B, T) + 3
     return GenerationResult(label="rcr", sequences=seq, lengths=torch.tensor(lengths), telemetry=t,
                             prefix_len=np.array([40, 17]), prefill_s=0.5, decode_s=2.0)
+
+
+def test_a_layer_never_re_selected_is_null_and_outside_the_refresh_fraction():
+    """A sliding-window layer has no selection (rcr.telemetry: its trigger is NaN): its trigger row is null,
+    the refresh fraction is over the other layers, and the analyses read the null row back as NaN."""
+    res = _result()
+    res.telemetry.trigger[:, 0] = np.nan  # layer 0: a sliding-window layer
+    res.telemetry.trigger[:, 1:] = 1.0
+    row = schema.output_row(JOB, {"sample_id": "x", "references": ["r"], "prompt": "p"}, "exact", res, 0, "t")
+    assert row["refresh_fraction"] == 1.0  # not 2/3
+    assert row["trigger"][0] is None and row["trigger"][1] == [True] * 4
+    schema.validate_output_table(schema.output_table([row]))
+    back = as_2d(schema.output_table([row]).to_pylist()[0]["trigger"], float)
+    assert np.isnan(back[0]).all() and (back[1:] == 1).all()
 
 
 def test_sample_is_trimmed_arrays_only():

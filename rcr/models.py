@@ -9,6 +9,8 @@ window, as transformers does (docs/models.md). Everything else in ``rcr`` is fam
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +123,31 @@ def adapter_for(model) -> Adapter:
 
 # --- loading and prompts (real checkpoints by name, or local directories laid out the same way) ---
 
+# transformers 5.x still warns, when a Qwen2-VL/Qwen2.5-VL config turns the sliding window on, that it "is not
+# implemented for `sdpa`". It is: the window is in the attention mask (create_sliding_window_causal_mask), which
+# every implementation applies (tests/rcr/test_models.py checks it). The notice is dropped while a model is built.
+STALE_WINDOW_NOTICE = "Sliding Window Attention is enabled but not implemented for"
+_STALE_WINDOW_LOGGERS = ("transformers.models.qwen2_vl.modeling_qwen2_vl",
+                         "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+
+
+class _DropNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return STALE_WINDOW_NOTICE not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_stale_window_notice():
+    loggers, drop = [logging.getLogger(name) for name in _STALE_WINDOW_LOGGERS], _DropNotice()
+    for lg in loggers:
+        lg.addFilter(drop)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(drop)
+
+
 def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str = "auto",
          trust_remote_code: bool = False, local_files_only: bool | None = None):
     """Load (model, processor) for a supported family. ``trust_remote_code`` stays off unless asked for.
@@ -140,7 +167,8 @@ def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dty
                          f"supported families: {list(SUPPORTED)}")
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
-    model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, **kw).to(device).eval()
+    with _without_stale_window_notice():
+        model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, **kw).to(device).eval()
     processor = AutoProcessor.from_pretrained(name_or_path, **kw)
     processor.tokenizer.padding_side = "left"  # batched decode needs left padding
     return model, processor

@@ -39,12 +39,12 @@ source "$RUNS/local-cluster/env"
 
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(--limit 8)
-echo "[quickstart] ray job submit --address $RAY_ADDRESS --working-dir . -- python jobs/detailcaps.py ${args[*]} --mlflow-uri $MLFLOW_TRACKING_URI"
-# The working directory is packaged without the VCS, environments and caches. They are excluded here, by name,
-# instead of through Ray's built-in default list, which prints a notice for each such directory on every submit.
-excludes='{"excludes": [".git", ".venv", "venv", "__pycache__", ".ruff_cache", ".pytest_cache"]}'
-if ! RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES='' ray job submit --address "$RAY_ADDRESS" --working-dir . \
-  --runtime-env-json "$excludes" -- python jobs/detailcaps.py "${args[@]}" --mlflow-uri "$MLFLOW_TRACKING_URI"; then
+echo "[quickstart] ray --logging-level warning job submit --address $RAY_ADDRESS --working-dir . --runtime-env infra/runtime_env.yaml -- python jobs/detailcaps.py ${args[*]} --mlflow-uri $MLFLOW_TRACKING_URI"
+# infra/runtime_env.yaml names what the working directory is packaged without (with the override below, Ray's own
+# default list, which prints a notice per directory, is off); the CLI's INFO lines (packaging, upload) stay out
+if ! RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES='' ray --logging-level warning job submit --address "$RAY_ADDRESS" \
+  --working-dir . --runtime-env infra/runtime_env.yaml \
+  -- python jobs/detailcaps.py "${args[@]}" --mlflow-uri "$MLFLOW_TRACKING_URI"; then
   echo "[quickstart] error: the job failed (its log is above). Rerunning the same command computes only the missing rows; cluster: infra/local_cluster.sh status" >&2
   exit 1
 fi

@@ -6,6 +6,12 @@
 * The driver's ``ray`` loggers: warnings and errors only (``ray.init(logging_level=...)``), minus the notice
   that a private local cluster uses token authentication (the driver turns it on on purpose).
 * MLflow's notices that it creates or upgrades the tables of a new SQLite store (its INFO lines).
+* transformers' "Loading weights" progress bar, in each actor while it loads the model
+  (:func:`quiet_model_loading`): the job's own progress line says the actors are loading.
+* Not silenced: Ray's ``Actor with class name: 'MapWorker(...)' ... has constructor arguments in the object
+  store and max_restarts > 0`` line, one per actor. Ray's own C++ core worker writes it to the driver's
+  stderr for every Ray Data actor pool with restarts on (ray-project/ray#57733, open in Ray 2.60); the job
+  needs the restarts (docs/pipeline.md, fault tolerance), and no Python logger carries the line.
 * The map stage's actor fault-tolerance options (``max_restarts``, ``max_task_retries``) have no named
   parameter in Ray 2.60's ``map_batches``; only that one ``RayDeprecationWarning`` is filtered, around that
   call (:func:`actor_fault_tolerance`). Revisit when Ray 2.64 removes ``**ray_remote_args``.
@@ -49,6 +55,20 @@ def quiet_ray_data(ctx) -> None:
             h.setLevel(logging.WARNING)
             if not any(isinstance(f, _DropMessage) for f in h.filters):
                 h.addFilter(_DropMessage(PROGRESS_OFF_NOTICE))  # we turned them off on purpose
+
+
+@contextlib.contextmanager
+def quiet_model_loading():
+    """No transformers progress bar while a model loads; the previous setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager

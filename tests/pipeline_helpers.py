@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -285,6 +286,7 @@ class LocalRayHead:
         env["RAY_ADDRESS"] = self.address
         env["PATH"] = f"{Path(PY).parent}:{env.get('PATH', '')}"
         env["RAY_USAGE_STATS_ENABLED"] = "0"
+        env["RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES"] = ""  # infra/runtime_env.yaml names them
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # single-node mode: every socket on 127.0.0.1 (docs/pipeline.md)
         # Ray 2.60 token auth, with a private token: independent of ~/.ray/auth_token (which any local
         # ray.init() creates, and which would otherwise switch a plain `ray start` into token mode)
@@ -357,9 +359,10 @@ class LocalRayHead:
 
     def submit(self, args: list[str], cwd: Path = REPO, timeout: float = 600, wait: bool = True,
                runtime_env: dict | None = None) -> subprocess.CompletedProcess | subprocess.Popen:
-        cmd = [RAY, "job", "submit", "--address", self.address, "--working-dir", "."]
-        if runtime_env:
-            cmd += ["--runtime-env-json", json.dumps(runtime_env)]
+        # as infra/quickstart.sh submits: infra/runtime_env.yaml's excludes (plus ``runtime_env``)
+        env = {**yaml.safe_load((REPO / "infra" / "runtime_env.yaml").read_text()), **(runtime_env or {})}
+        cmd = [RAY, "--logging-level", "warning", "job", "submit", "--address", self.address, "--working-dir", ".",
+               "--runtime-env-json", json.dumps(env)]
         cmd += ["--", "python", *args]
         if wait:
             return subprocess.run(cmd, check=False, cwd=cwd, env=self.env(), capture_output=True, text=True,

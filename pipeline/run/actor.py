@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.data.images import BadInput, load_sample_images
+from pipeline.quiet import quiet_model_loading
 from pipeline.run.config import JobConfig
 from pipeline.schema import TASKS, JobStamp, error_rows, output_row, output_table
 
@@ -105,8 +106,9 @@ class RcrEngine:
         self.rcr = rcr
         self.device = device
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        self.model, self.processor = rcr.models.load(cfg.model_path(), device=device, dtype=torch_dtype,
-                                                     trust_remote_code=cfg.trust_remote_code)
+        with quiet_model_loading():  # the driver's progress line says the actors are loading
+            self.model, self.processor = rcr.models.load(cfg.model_path(), device=device, dtype=torch_dtype,
+                                                         trust_remote_code=cfg.trust_remote_code)
         self.rcr_config = rcr.RCRConfig(**cfg.rcr)
         self.max_new_tokens = cfg.max_new_tokens
 

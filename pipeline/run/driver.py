@@ -283,6 +283,10 @@ class _Progress:
                 return
             self.last = now
             el = now - self.t0
+            if self.pairs == 0:
+                say(f"progress: 0/{self.total_pairs} rows, waiting for the first batch (the actors load the "
+                    f"model first), {el:.0f}s elapsed")
+                return
             rate = len(self.samples) / el if el > 0 else 0.0
             left = self.total_samples - len(self.samples)
             eta = f", ETA {left / rate:.0f}s" if rate > 0 and left > 0 else ""

@@ -177,6 +177,7 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
         assert r.returncode == 0, log[-6000:]
         assert "RAY_AUTH_MODE=token" in (state / "env").read_text()
         assert "ray job submit" in log and "[rcr-job] progress:" in log and "fidelity" in log
+        assert "is now ignored by default" not in log  # infra/runtime_env.yaml names the excludes
         mlflow_url = f"http://127.0.0.1:{env['RCR_MLFLOW_PORT']}"
         assert f"Parquet: {out}" in log and f"MLflow runs: {mlflow_url}" in log
         # a tracking server is its own UI: the parent run's URL once, not MLflow's two lines per run

@@ -133,3 +133,36 @@ def test_offload_bytes_reach_the_output_rows(tmp_path):
     assert by.loc["fixed@0.0", "refresh_fraction"] > 0.5
     assert by.loc["fixed@0.0", "bytes_moved_per_step"] > 0
     assert by.loc["full", "bytes_moved_per_step"] == 0 and by.loc["bacon", "bytes_moved_per_step"] == 0
+
+
+def test_progress_says_it_waits_until_the_first_batch_then_counts(capsys):
+    """Before any row arrives (the actors are loading the model) the line says so instead of a 0.00 rate."""
+    from pipeline.run.driver import _Progress
+
+    p = _Progress(total_pairs=4, total_samples=2, every_s=60)
+    p.report(force=True)
+    waiting = capsys.readouterr().out
+    assert "0/4 rows, waiting for the first batch" in waiting and "samples/s" not in waiting
+    p.update(pa.table({"sample_id": ["a", "a"], "error": pa.array([None, "bad"], pa.string())}), force=True)
+    line = capsys.readouterr().out
+    assert "progress: 2/4 rows, 1/2 samples, 1 error rows" in line and "samples/s" in line
+
+
+def test_the_actor_loads_its_model_without_a_progress_bar(monkeypatch):
+    """transformers' "Loading weights" bar would print once per actor into the job's output."""
+    from transformers.utils import logging as hf_logging
+
+    import rcr.models
+    from pipeline.run import actor
+
+    seen = []
+
+    def load(*args, **kwargs):
+        seen.append(hf_logging.is_progress_bar_enabled())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(rcr.models, "load", load)
+    hf_logging.enable_progress_bar()
+    with pytest.raises(RuntimeError, match="stop here"):
+        actor.RcrEngine(JobConfig(), "cpu", "float32")
+    assert seen == [False] and hf_logging.is_progress_bar_enabled()  # off while loading, restored after

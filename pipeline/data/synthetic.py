@@ -68,6 +68,9 @@ class SceneLayout:
     min_objects: int  # detailcaps objects per scene
     max_objects: int
     jitter: int  # an object's centre moves up to this many px from its cell's centre
+    # the description walks every cell in raster order, empty ones included ("..., nothing ."), and relates an
+    # object only to its right-hand neighbour: what a step needs to read is then in the cells it is describing
+    every_cell: bool = False
 
     @property
     def height(self) -> int:
@@ -84,6 +87,9 @@ LAYOUTS = {
     # 448 x 560 px, 5 rows x 4 columns of 112 px (4x4 tokens): 320 visual tokens, 11-14 objects of 1-4
     # tokens each, more object tokens than a 32-entry selection holds (the model being trained for v2)
     "v2": SceneLayout("v2", rows=5, cols=4, cell=112, min_objects=11, max_objects=14, jitter=12),
+    # the v2 canvas with 12-18 of its 20 cells occupied (about 70 object tokens, twice the 32 selected), and
+    # every cell described in raster order: which cells a step reads follows from where the description is
+    "v3": SceneLayout("v3", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True),
 }
 DEFAULT_LAYOUT = "v1"  # what the shipped model was trained on; flips with the model it belongs to
 FRAME_SIZE = 168  # 12x12 patches -> 6x6 = 36 merged tokens per temporal patch
@@ -131,7 +137,7 @@ def vocabulary() -> list[str]:
     """Every word the grammar (targets and prompts) can produce, sorted."""
     words: set[str] = set()
     fixed = [
-                "In row , column , a left of the at the end of its row .",
+        "In row , column , a left of the at the end of its row . nothing",
         "A and at moves from to then stays in the whole time",
         "One object . Two objects . The",
     ]
@@ -243,15 +249,23 @@ def _detailcaps(rng: np.random.Generator, n_objects: int | None, lay: SceneLayou
     chosen = sorted(rng.choice(n_cells, size=n, replace=False).tolist())
     cells = {cell: _random_object(rng) for cell in chosen}
     img = _render_grid(rng, cells, lay)
+    described = range(n_cells) if lay.every_cell else chosen
     parts = []
-    for i, cell in enumerate(chosen):
+    for i, cell in enumerate(described):
         r, c = divmod(cell, lay.cols)
-        obj = cells[cell]
-        if i + 1 < len(chosen) and chosen[i + 1] // lay.cols == r:
-            rel = f"left of the {cells[chosen[i + 1]].short()}"
+        where = f"In row {NUMBER_WORDS[r]} , column {NUMBER_WORDS[c]} ,"
+        if cell not in cells:
+            parts.append(f"{where} nothing .")
+            continue
+        # the object to the right: the next occupied cell of the row (v1, v2) or the neighbouring cell (v3)
+        nxt = cell + 1 if lay.every_cell else (chosen[i + 1] if i + 1 < len(chosen) else None)
+        if c == lay.cols - 1 or nxt is None or nxt // lay.cols != r:
+            rel = " , at the end of its row"
+        elif nxt in cells:
+            rel = f" , left of the {cells[nxt].short()}"
         else:
-            rel = "at the end of its row"
-        parts.append(f"In row {NUMBER_WORDS[r]} , column {NUMBER_WORDS[c]} , a {obj.phrase()} , {rel} .")
+            rel = ""  # v3: an empty neighbour is not mentioned
+        parts.append(f"{where} a {cells[cell].phrase()}{rel} .")
     return [img], " ".join(parts)
 
 

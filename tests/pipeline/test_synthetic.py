@@ -37,11 +37,18 @@ def test_workers_do_not_change_output(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- content
-def _cells(text: str) -> list[tuple[int, int]]:
-    """(row, column) of every object a detailcaps description names, in order."""
+def _phrases(text: str) -> list[tuple[int, int, list[str]]]:
+    """(row, column, the words after "In row R , column C ,") of every cell a detailcaps description names."""
     words = text.split()
-    return [(S.NUMBER_WORDS.index(words[k + 2]), S.NUMBER_WORDS.index(words[k + 5]))
-            for k in range(len(words)) if words[k] == "In" and words[k + 1] == "row"]
+    starts = [k for k in range(len(words)) if words[k] == "In" and words[k + 1] == "row"] + [len(words)]
+    return [(S.NUMBER_WORDS.index(words[a + 2]), S.NUMBER_WORDS.index(words[a + 5]), words[a + 7:b])
+            for a, b in zip(starts, starts[1:])]
+
+
+def _cells(text: str) -> list[tuple[int, int]]:
+    """(row, column) of every object a detailcaps description names, in order (cells said to hold nothing
+    are skipped)."""
+    return [(r, c) for r, c, rest in _phrases(text) if rest[0] != "nothing"]
 
 
 @pytest.mark.parametrize("layout", list(S.LAYOUTS))
@@ -75,7 +82,8 @@ def test_each_object_is_drawn_in_its_cell(layout):
     img = frames[0].astype(int)
     words = text.split()
     cells = _cells(text)
-    colours = [words[k + 9] for k in range(len(words)) if words[k] == "In" and words[k + 1] == "row"]
+    colours = [words[k + 9] for k in range(len(words))
+               if words[k] == "In" and words[k + 1] == "row" and words[k + 7] == "a"]
     for (r, c), colour in zip(cells, colours):
         cell = img[r * lay.cell:(r + 1) * lay.cell, c * lay.cell:(c + 1) * lay.cell]
         hit = np.all(cell == np.array(S.COLOURS[colour]), axis=-1).sum()
@@ -86,8 +94,34 @@ def test_each_object_is_drawn_in_its_cell(layout):
     assert np.all(cell == np.array(S.BACKGROUND))
 
 
+def test_v3_describes_every_cell_and_relates_only_neighbours():
+    """v3: all 20 cells in raster order; an empty cell is "nothing" (and plain background); an object names
+    its right-hand neighbour only when that cell holds one, and the last column is "at the end of its row"."""
+    lay = S.LAYOUTS["v3"]
+    for i in range(10):
+        frames, text = S.render("detailcaps", 3, i, layout="v3")
+        phrases = _phrases(text)
+        assert [(r, c) for r, c, _ in phrases] == [(r, c) for r in range(lay.rows) for c in range(lay.cols)]
+        objects = {(r, c): rest for r, c, rest in phrases if rest[0] == "a"}
+        assert lay.min_objects <= len(objects) <= lay.max_objects
+        img = frames[0]
+        for r, c, rest in phrases:
+            cell = img[r * lay.cell:(r + 1) * lay.cell, c * lay.cell:(c + 1) * lay.cell]
+            if rest == ["nothing", "."]:
+                assert np.all(cell == np.array(S.BACKGROUND))
+                continue
+            tail = " ".join(rest)
+            right = objects.get((r, c + 1))
+            if c == lay.cols - 1:
+                assert tail.endswith(", at the end of its row ."), tail
+            elif right is not None:  # "a big red plain circle ." -> "left of the red circle"
+                assert tail.endswith(f", left of the {right[2]} {right[4]} ."), tail
+            else:
+                assert "," not in tail, tail
+
+
 def test_layouts_keep_video_and_tag_sample_ids():
-    assert S.render("video", 0, 3, layout="v1")[1] == S.render("video", 0, 3, layout="v2")[1]
+    assert S.render("video", 0, 3, layout="v1")[1] == S.render("video", 0, 3, layout="v3")[1]
     assert S.make_record("detailcaps", 0, 1, layout="v2")["sample_id"] == "synthetic-v2-detailcaps-s0-0000001"
     assert S.make_record("detailcaps", 0, 1, layout="v1")["sample_id"] == "synthetic-detailcaps-s0-0000001"
     with pytest.raises(S.SyntheticError, match="layout"):

@@ -1,6 +1,7 @@
 """Fidelity against the resident budget on the embedded model: when does re-selection beat a static selection?
 
     python benchmarks/budget_sweep.py [--model embedded] [--layout v2] [--samples 16] [--selected 16,32,64]
+    python benchmarks/budget_sweep.py --whole-layers 0     # ablation: layer 0 attends to its whole prefix
 
 For each ``selected`` budget (window fixed at 32), every method decodes the same held-out synthetic
 ``detailcaps`` scenes (seed ``pipeline.data.synthetic.HELDOUT_SEED``) from one prefill per batch, through the
@@ -9,11 +10,18 @@ uncompressed output of the same run, the exact drift (the attention mass each st
 prefix entries evicted when it arrived, before that step's refresh; mean over layer-steps) and the realised
 refresh fraction. Everything is measured side by side in one run, so the comparison between methods holds
 on a noisy machine; the seconds do not.
+
+``--whole-layers`` is an ablation, not a method: in the listed layers every method attends to the whole prefix
+(plus the window and the answer so far), as ``full`` does, while the other layers keep their selections. It
+shows how much of a method's loss comes from those layers (docs/embedded.md: v2's first layer). The telemetry
+of those layers still describes the selection the method made there.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
 import sys
 import time
@@ -31,6 +39,36 @@ from pipeline.data import synthetic as S  # noqa: E402
 from pipeline.run.config import EMBEDDED, JobConfig  # noqa: E402
 
 
+@contextlib.contextmanager
+def whole_layers(layers: set[int]):
+    """Within the block, decoding attends to the whole prefix in ``layers`` (the ablation above)."""
+    import torch
+
+    from rcr.attention import attend
+
+    gen = importlib.import_module("rcr.generate")  # the module (``rcr.generate`` the name is the function)
+    selective = gen.DecodeSession.__call__
+
+    def call(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        out = selective(self, module, query, key, value, attention_mask, scaling, **kwargs)  # decides, records
+        if module.layer_idx not in layers:
+            return out
+        res = self.cache.layers[module.layer_idx]
+        k_p, v_p = self.prefix.prefix_kv(module.layer_idx)  # (B, Hkv, Np, d)
+        s = res.n_selected  # resident layout [selected | window | answer]: keep all but the selection
+        keys = torch.cat([k_p, res.resident_keys[..., s:, :]], 2)
+        values = torch.cat([v_p, res.resident_values[..., s:, :]], 2)
+        valid = torch.cat([self.prefix.prefix_valid.unsqueeze(1).expand(-1, k_p.shape[1], -1),
+                           res.resident_valid[..., s:]], -1)
+        return attend(query, keys, values, valid, scaling), None
+
+    gen.DecodeSession.__call__ = call
+    try:
+        yield
+    finally:
+        gen.DecodeSession.__call__ = selective
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=EMBEDDED)
@@ -40,17 +78,22 @@ def main(argv=None) -> int:
     ap.add_argument("--selected", default="16,32,64", help="comma-separated budgets of selected prefix entries")
     ap.add_argument("--methods", default="bacon,prefill_oracle,exact,fixed,rcr", help="compared against full")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--whole-layers", default="", help="ablation: comma-separated layers that attend to the whole "
+                    "prefix in every method (default: none)")
     args = ap.parse_args(argv)
+    whole = {int(x) for x in args.whole_layers.split(",") if x}
     methods = ["full"] + [m for m in args.methods.split(",") if m != "full"]
     print(f"model {args.model} (layout {args.layout}); {args.samples} held-out detailcaps scenes; window 32; "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"load average {os.getloadavg()[0]:.1f}" + (f"; layers {sorted(whole)} whole (ablation)" if whole else ""))
     print(f"{'selected':>8}  {'method':<15} {'fidelity [95% CI]':<22} {'exact drift':>11} {'refresh':>7}")
     for k in [int(x) for x in args.selected.split(",")]:
         t0 = time.time()
         cfg = JobConfig.from_dict(dict(task="detailcaps", model=args.model, methods=methods, device="cpu",
                                        batch_size=args.batch_size, torch_threads=args.threads,
                                        rcr={"selected": k, "candidates": max(128, 4 * k), "exact_drift": True}))
-        rows = evaluate_task(cfg, "detailcaps", args.samples, S.HELDOUT_SEED, args.layout, log=lambda *a, **k: None)
+        with whole_layers(whole):
+            rows = evaluate_task(cfg, "detailcaps", args.samples, S.HELDOUT_SEED, args.layout,
+                                 log=lambda *a, **k: None)
         a = analyze(rows, reference_metrics=False)
         drift = rows.groupby("method")["mean_drift_exact"].mean()
         for _, r in a.methods.set_index("method").loc[methods[1:]].iterrows():

@@ -156,6 +156,10 @@ def _select(batch: pa.Table, todo: dict[str, list[str]], dup_accept: dict[str, s
 
 
 def _ray_init(cfg: JobConfig):
+    if not cfg.ray_address and not os.environ.get("RAY_ADDRESS"):
+        # a private cluster (below): Ray resolves 127.0.0.1 to the machine's network address, and binds its
+        # GCS, raylet and workers there, unless this is 0 (read when ray is first imported)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
@@ -367,7 +371,10 @@ def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) ->
     ds = _build_dataset(ray, cfg, paths, plan, res)
     try:
         with writer.progress.heartbeat():
-            for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            # prefetch_batches=0: with Ray Data's default of 1, the iterator asks for block k+1 before it yields
+            # block k, so every finished batch waited on the next one (an 8-sample job showed 0 rows until the
+            # end); the driver only writes blocks, so there is nothing for a prefetch to overlap
+            for block in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
                 writer.write(block)
     except PartWriteError as e:
         say(f"writing the output failed: {e}. Free space there, then rerun the same command: it computes "

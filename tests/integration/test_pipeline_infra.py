@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -211,6 +214,42 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
 
 
 LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
+
+
+def test_a_plain_python_job_listens_on_loopback_only(tmp_path):
+    """`python jobs/detailcaps.py` with no cluster starts a private Ray in-process: its GCS, raylet, workers and
+    the driver itself listen on 127.0.0.1 only. Checked while the job is known to be running: its engine waits
+    on a gate file (files, not time), and the job then finishes normally."""
+    from tests.pipeline_helpers import fake_model_dir
+
+    shards = write_shard(tmp_path / "shards" / "s.parquet", synthetic_records("detailcaps", 2))
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    ray_tmp = f"/tmp/rcrl{os.getpid()}_{free_port()}"  # short: Ray's socket paths have a length limit
+    env = dict(os.environ, RCR_TEST_GATE=str(gate), RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
+    for k in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        env.pop(k, None)
+    job = subprocess.Popen(
+        [PY, "jobs/detailcaps.py", "--model", str(fake_model_dir(tmp_path)), "--shards", str(shards.parent),
+         "--methods", "full,bacon", "--output-dir", str(out), "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}",
+         "--engine", "tests.pipeline_helpers:GatedFakeEngine", "--no-summary", "--num-actors", "1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        while not Path(f"{gate}.waiting").exists():  # the actor is up and inside the engine
+            assert job.poll() is None, job.stdout.read()[-4000:]
+            time.sleep(0.2)
+        socks = _listening(_cluster_pids(ray_tmp, [job.pid]))
+        assert any(pid == job.pid for _, _, pid in socks) and len({pid for _, _, pid in socks}) >= 3, socks
+        exposed = [s for s in socks if s[0] not in LOOPBACK]
+        assert not exposed, f"the job's private Ray listens on non-loopback addresses: {exposed}"
+        gate.touch()
+        log, _ = job.communicate(timeout=600)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert job.returncode == 0, log[-4000:]
+    assert len(pq.read_table(out)) == 2 * 2
 
 
 def _cluster_env(runs: Path) -> dict:

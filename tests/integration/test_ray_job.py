@@ -125,13 +125,21 @@ def test_actor_killed_mid_job_still_n_x_m(head, tmp_path):
     assert pids[0] not in head.actor_pids("SampleEvaluator")
 
 
-def _wait_at_gate(head, sub: str, gate: Path, out: Path) -> None:
-    """Until the job's engine waits at ``gate`` and at least one part is on disk (files, not time); fail with
-    the job's log if the job ends first. How many of the K samples let through before the gate have reached
-    the driver by then is Ray Data's business (it may hold finished outputs back), so it is not asserted."""
+def _wait_at_gate(head, sub: str, gate: Path, out: Path, parts: int = 1, stream_s: float = 300) -> None:
+    """Until the job's engine waits at ``gate`` and ``parts`` parts are on disk (files, not time); fail with
+    the job's log if the job ends first. Once the engine waits, every batch before the gate is finished, and
+    the driver must write each one as it arrives (no block held back for the next): parts that do not follow
+    within ``stream_s`` never will, since the gate stays shut."""
     waiting = Path(f"{gate}.waiting")
-    while not (waiting.exists() and any(out.glob("part-*.parquet"))):
+    while not waiting.exists():
         assert head.job_status(sub) in ("PENDING", "RUNNING"), head.job_logs(sub)[-4000:]
+        time.sleep(0.5)
+    deadline = time.monotonic() + stream_s
+    while len(list(out.glob("part-*.parquet"))) < parts:
+        assert head.job_status(sub) in ("PENDING", "RUNNING"), head.job_logs(sub)[-4000:]
+        assert time.monotonic() < deadline, (
+            f"{len(list(out.glob('part-*.parquet')))} of the {parts} finished batches reached the output: the driver "
+            "holds finished blocks back")
         time.sleep(0.5)
 
 
@@ -152,13 +160,13 @@ def test_stopped_job_resumes_only_missing_rows(head, tmp_path):
     r = head.ray_cli("job", "submit", "--address", head.address, "--working-dir", str(REPO), "--no-wait",
                      "--submission-id", sub, "--runtime-env-json", json.dumps(env), "--", "python", *args, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    _wait_at_gate(head, sub, gate, out)
+    _wait_at_gate(head, sub, gate, out, parts=k)  # all K finished batches stream out while the 4th waits
     head.ray_cli("job", "stop", "--address", head.address, sub, timeout=120)
     assert head.wait_job(sub, timeout=300) == "STOPPED"
     first_files = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
     first = pd.read_parquet(out)
     n_first = first["sample_id"].nunique()
-    assert first_files and 1 <= n_first <= k
+    assert len(first_files) == n_first == k
     assert len(first) == n_first * len(methods) == len(set(_keys(first)))
     k = len(first)
 

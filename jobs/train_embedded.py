@@ -79,6 +79,19 @@ MODEL_SIZES = {
     # and v2 alike), which real 28-layer VLMs confine to their first one or two layers (docs/embedded.md)
     "mini_local": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4,
                        local_layers=1, local_window=32),
+    # mini_local whose spatial M-RoPE can resolve a cell: Qwen2-VL hands out the rotary frequencies in three blocks
+    # (t, h, w), so with 16 frequency pairs the image's row and column get only the slow ones (at most 0.1 and 0.006
+    # rad per token at theta 1e4): a decoder query cannot tell one 4-token cell from its neighbour by position and
+    # reads a blur of cells. The section list below cycles t, h, w three times (Qwen2-VL applies section k to
+    # position component k % 3), the interleaving Qwen3-VL adopted for this reason, and theta 100 puts the fastest
+    # row and column frequencies at 0.75 and 0.42 rad per token.
+    "mini_2d": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4,
+                    local_layers=1, local_window=32, mrope=[1, 2, 2, 1, 2, 2, 2, 2, 2], rope_theta=100.0),
+    # mini_2d with the sections one frequency pair each, rows and columns first: row, column, time, row, ... so the
+    # fastest pairs (1.0 and 0.75 rad per token) resolve the image; the leading and trailing 0 keep the list in
+    # (t, h, w) triples
+    "mini_2d_fine": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4,
+                         local_layers=1, local_window=32, mrope=[0] + [1] * 16 + [0], rope_theta=100.0),
     "small": dict(hidden=192, layers=4, heads=6, kv=3, mlp=512, vdim=96, vdepth=2, vheads=4),
     "base": dict(hidden=256, layers=4, heads=8, kv=4, mlp=640, vdim=96, vdepth=2, vheads=4),
     "tiny": dict(hidden=64, layers=2, heads=2, kv=1, mlp=128, vdim=32, vdepth=1, vheads=2),
@@ -139,7 +152,9 @@ def build_model(tokenizer, size: str = "base", seed: int = 0):
     head_dim = p["hidden"] // p["heads"]
     half = head_dim // 2
     t = half // 4
-    mrope = [t, (half - t) // 2, half - t - (half - t) // 2]
+    mrope = p.get("mrope", [t, (half - t) // 2, half - t - (half - t) // 2])
+    if sum(mrope) != half or len(mrope) % 3:
+        raise ValueError(f"size {size!r}: mrope sections {mrope} must sum to head_dim/2 = {half}, in (t, h, w) triples")
     ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in SPECIAL_TOKENS.items()}
     n_local = p.get("local_layers", 0)
     local = dict(use_sliding_window=True, sliding_window=p["local_window"], max_window_layers=p["layers"],
@@ -154,7 +169,8 @@ def build_model(tokenizer, size: str = "base", seed: int = 0):
             num_attention_heads=p["heads"],
             num_key_value_heads=p["kv"],
             max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
+            rope_parameters={"rope_type": "default", "rope_theta": p.get("rope_theta", 10000.0),
+                             "mrope_section": mrope},
             bos_token_id=ids["im_start"],
             eos_token_id=ids["im_end"],
             pad_token_id=ids["pad"],
@@ -181,6 +197,43 @@ def build_model(tokenizer, size: str = "base", seed: int = 0):
     model.generation_config.bos_token_id = ids["im_start"]
     model.generation_config.do_sample = False
     return model
+
+
+def plant_attention_sink(model, token_id: int, logit: float = 6.0) -> None:
+    """Start every text layer with an attention sink on ``token_id`` (``<|im_start|>``, the first token).
+
+    A real VLM's decoder is a pretrained LLM, and pretrained LLMs put most of a head's attention on one or two
+    sink tokens when it has nothing to read, a habit learnt over trillions of tokens that a model trained from
+    scratch on a few million never forms: its idle heads spread their mass over the image instead. This plants
+    the LLM's starting point and leaves the rest to training: one hidden dimension ``s`` of the token's
+    embedding is large and every other token's is zero (a "massive activation"); each layer's key reads ``s``
+    into the slowest rotary pair (dimension ``d/2 - 1``, which turns by 1e-2 rad over the whole sequence), and a
+    query bias on the same pair makes every query meet it with a logit of about ``logit``; its value starts at 0.
+    """
+    import torch
+
+    text = model.model.language_model
+    emb = text.embed_tokens.weight  # (V, D)
+    s = emb.shape[1] - 1
+    head_dim = model.config.text_config.hidden_size // model.config.text_config.num_attention_heads
+    pair = head_dim // 2 - 1
+    with torch.no_grad():
+        emb[:, s] = 0.0
+        emb[token_id, s] = 1.0  # after RMSNorm the token's hidden state is ~sqrt(D) on dimension s
+        gain = math.sqrt(logit * math.sqrt(head_dim) / math.sqrt(emb.shape[1]))
+        for layer in text.layers:
+            att = layer.self_attn
+            for proj in (att.q_proj, att.k_proj, att.v_proj):
+                proj.weight[:, s] = 0.0  # only the sink token carries dimension s
+            k_rows = torch.arange(att.k_proj.out_features // head_dim) * head_dim + pair
+            q_rows = torch.arange(att.q_proj.out_features // head_dim) * head_dim + pair
+            att.k_proj.weight[k_rows, s] = gain  # k_sink[pair] ~ gain * sqrt(D)
+            att.q_proj.bias[q_rows] = gain  # q[pair] ~ gain for every query, so q . k_sink / sqrt(d) ~ logit
+            att.o_proj.weight[s, :] = 0.0  # and no layer writes dimension s into another token (at the start)
+            layer.mlp.down_proj.weight[s, :] = 0.0
+        merger_out = [m for m in model.model.visual.merger.modules() if isinstance(m, torch.nn.Linear)][-1]
+        merger_out.weight[s, :] = 0.0  # nor does the vision tower into a visual token
+        merger_out.bias[s] = 0.0
 
 
 def messages_for(task: str) -> list[dict]:
@@ -350,6 +403,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the weight matrices")
+    ap.add_argument("--sink", action="store_true",
+                    help="start with an attention sink on the first token, as a pretrained LLM has")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", default="auto",
@@ -396,8 +451,8 @@ def load_checkpoint(path: Path, model, opt, args: argparse.Namespace, device) ->
     import torch
 
     ck = torch.load(path, map_location=device, weights_only=False)  # our own checkpoint, not dataset content
-    older = {"layout": "v1", "weight_decay": 0.01}  # what checkpoints made before these flags used
-    made = {k: ck["args"].get(k, older.get(k)) for k in ("size", "seed", "layout", "steps", "weight_decay")}
+    older = {"layout": "v1", "weight_decay": 0.01, "sink": False}  # what checkpoints made before these flags used
+    made = {k: ck["args"].get(k, older.get(k)) for k in ("size", "seed", "layout", "steps", "weight_decay", "sink")}
     if made != {k: getattr(args, k) for k in made}:
         raise SystemExit(f"checkpoint {path} was made with {made}; pass the same flags, or --fresh")
     model.load_state_dict(ck["model"])
@@ -539,6 +594,8 @@ def main(argv=None):
     tok = build_tokenizer()
     processor = build_processor(tok)
     model = build_model(tok, args.size, seed=args.seed).to(device)
+    if args.sink:
+        plant_attention_sink(model, tok.convert_tokens_to_ids(SPECIAL_TOKENS["im_start"]))
     if args.init_from:
         init_weights_from(model, args.init_from)
     n_params = sum(p.numel() for p in model.parameters())

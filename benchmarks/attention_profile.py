@@ -6,6 +6,9 @@ averaged over answer steps and samples:
 
 * ``prefix``: the attention mass on the prompt (system text, image tokens, question), against the answer so far;
 * ``image``: the part of it on image/video tokens (real VLMs put most of the mass on a few sink and text positions);
+* ``flat``: the part of the image mass on visual tokens whose 28 x 28 pixels are one flat colour (the synthetic
+  scenes' empty background; single-image tasks): such tokens all carry the same value, so a head can park its
+  idle mass on them as on a sink spread over hundreds of entries, which no 32-entry selection holds;
 * ``top-S``: the share of the prefix mass that the best ``--selected`` entries hold, per KV head (what an exact
   per-step selection keeps; the rest is what it drops);
 * ``entries``: the effective number of prefix entries attended, exp(entropy) of the prefix distribution;
@@ -37,9 +40,11 @@ from pipeline.data import synthetic as S  # noqa: E402
 from rcr.models import build_inputs, geometry, load  # noqa: E402
 
 
-def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: int, selected: int) -> dict:
+def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: int, selected: int,
+                  flat: torch.Tensor | None = None) -> dict:
     """One layer's figures from its attention ``attn`` (H, T, T) of one sample; answer queries are rows
-    ``n_prompt - 1 ..`` (the step that writes answer token k reads position n_prompt + k - 1)."""
+    ``n_prompt - 1 ..`` (the step that writes answer token k reads position n_prompt + k - 1). ``image`` and
+    ``flat`` are (N,) masks over the prompt positions."""
     a = attn[:, n_prompt - 1:-1].double()  # (H, steps, T): the queries that produced answer tokens
     pre = a[..., :n_prompt]  # (H, steps, N)
     mass = pre.sum(-1)  # (H, steps)
@@ -51,10 +56,23 @@ def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: 
     return {
         "prefix": mass.mean().item(),
         "image": (pre[..., image].sum(-1) / mass.clamp_min(1e-12)).mean().item(),
+        "flat": ((pre[..., flat].sum(-1) / pre[..., image].sum(-1).clamp_min(1e-12)).mean().item()
+                 if flat is not None else float("nan")),
         "top": top.mean().item(),
         "entries": entries.mean().item(),
         "dwell": (argmax[1:] == argmax[:-1]).double().mean().item() if len(argmax) > 1 else float("nan"),
     }
+
+
+def flat_tokens(frame: np.ndarray, grid_thw: torch.Tensor, patch: int = 28) -> torch.Tensor:
+    """(tokens,) bool: which merged visual tokens (raster order) cover a block of one flat colour. The synthetic
+    images are multiples of 28 px, so the processor does not resize them and block k is token k."""
+    _, gh, gw = (int(x) for x in grid_thw)
+    h, w = gh // 2, gw // 2
+    if frame.shape[:2] != (h * patch, w * patch):
+        raise ValueError(f"image {frame.shape[:2]} was resized to {h * patch}x{w * patch}: blocks do not map to tokens")
+    blocks = frame.reshape(h, patch, w, patch, -1)
+    return torch.from_numpy((blocks == blocks[:, :1, :, :1]).all(axis=(1, 3, 4)).reshape(-1))
 
 
 def profile(model, processor, task: str, layout: str, n: int, selected: int, max_new_tokens: int) -> list[dict]:
@@ -76,7 +94,11 @@ def profile(model, processor, task: str, layout: str, n: int, selected: int, max
                 full["mm_token_type_ids"] = torch.cat([full["mm_token_type_ids"], pad], 1)
             attn = model(**full, output_attentions=True).attentions
         image = torch.tensor([int(t) in image_ids for t in inputs["input_ids"][0]])
-        rows.append([layer_profile(a[0], n_prompt, image, geo.n_kv_heads, selected) for a in attn])
+        flat = None
+        if task != "video" and "image_grid_thw" in inputs:
+            flat = torch.zeros_like(image)
+            flat[image] = flat_tokens(frames[0], inputs["image_grid_thw"][0])
+        rows.append([layer_profile(a[0], n_prompt, image, geo.n_kv_heads, selected, flat) for a in attn])
     n_layers = len(rows[0])
     return [{k: float(np.nanmean([r[layer][k] for r in rows])) for k in rows[0][layer]} for layer in range(n_layers)]
 
@@ -99,11 +121,11 @@ def main(argv=None) -> None:
     print(f"{args.model} | {args.task}, layout {args.layout}, {args.n} held-out samples | "
           f"load average {os.getloadavg()[0]:.2f}, {args.threads} thread(s)")
     top = f"top-{args.selected}"
-    print(f"{'layer':>5}  {'kind':<6} {'prefix':>7} {'image':>7} {top:>7} {'entries':>8} {'dwell':>7}")
+    print(f"{'layer':>5}  {'kind':<6} {'prefix':>7} {'image':>7} {'flat':>7} {top:>7} {'entries':>8} {'dwell':>7}")
     for i, r in enumerate(layers):
         kind = "local" if geo.sliding_windows[i] is not None else "global"
-        print(f"{i:>5}  {kind:<6} {r['prefix']:7.3f} {r['image']:7.3f} {r['top']:7.3f} {r['entries']:8.1f} "
-              f"{r['dwell']:7.3f}")
+        print(f"{i:>5}  {kind:<6} {r['prefix']:7.3f} {r['image']:7.3f} {r['flat']:7.3f} {r['top']:7.3f} "
+              f"{r['entries']:8.1f} {r['dwell']:7.3f}")
     treated = [r for i, r in enumerate(layers) if geo.sliding_windows[i] is None]
     print(f"re-selected layers: mean top-{args.selected} share {np.mean([r['top'] for r in treated]):.3f}, "
           f"dwell {np.mean([r['dwell'] for r in treated]):.3f}")

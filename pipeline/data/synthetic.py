@@ -71,6 +71,11 @@ class SceneLayout:
     # the description walks every cell in raster order, empty ones included ("..., nothing ."), and relates an
     # object only to its right-hand neighbour: what a step needs to read is then in the cells it is describing
     every_cell: bool = False
+    # the empty canvas is a smooth, faintly coloured random field with pixel grain instead of flat grey, as a
+    # photo's background is: on flat grey every empty-canvas token carries the same value, and a tiny model parks
+    # its idle attention on those hundreds of identical entries, a spread-out sink that no selection of 32 holds
+    # (benchmarks/attention_profile.py, column `flat`); the objects keep their saturated colours
+    textured: bool = False
 
     @property
     def height(self) -> int:
@@ -90,6 +95,9 @@ LAYOUTS = {
     # the v2 canvas with 12-18 of its 20 cells occupied (about 70 object tokens, twice the 32 selected), and
     # every cell described in raster order: which cells a step reads follows from where the description is
     "v3": SceneLayout("v3", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True),
+    # v3's scenes (the same objects for the same index) on a textured canvas
+    "v4": SceneLayout("v4", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True,
+                      textured=True),
 }
 DEFAULT_LAYOUT = "v1"  # what the shipped model was trained on; flips with the model it belongs to
 FRAME_SIZE = 168  # 12x12 patches -> 6x6 = 36 merged tokens per temporal patch
@@ -237,7 +245,25 @@ def _render_grid(rng: np.random.Generator, cells: dict[int, SceneObject], lay: S
         cy = r * lay.cell + lay.cell // 2 + int(jy)
         radius = BIG_RADIUS if obj.size == "big" else SMALL_RADIUS
         _paint(img, cx, cy, obj, radius, phase=int(rng.integers(8)))
+    if lay.textured:  # drawn after the objects, so a v4 scene's objects are its v3 twin's
+        empty = (img == np.array(BACKGROUND, dtype=np.uint8)).all(-1)
+        img[empty] = _canvas(rng, img.shape[0], img.shape[1])[empty]
     return img
+
+
+def _canvas(rng: np.random.Generator, height: int, width: int, step: int = 40) -> np.ndarray:
+    """(H, W, 3) uint8: per channel, grey 128 +- 40 on a coarse grid every ``step`` px, interpolated bilinearly
+    (low saturation: the channels drift apart by at most 80 of 255), plus +-10 grain per pixel."""
+    gh, gw = height // step + 2, width // step + 2
+    coarse = rng.uniform(88.0, 168.0, size=(gh, gw, 3))
+    y = np.arange(height) / step
+    x = np.arange(width) / step
+    y0, x0 = y.astype(int), x.astype(int)
+    fy, fx = (y - y0)[:, None, None], (x - x0)[None, :, None]
+    top = coarse[y0][:, x0] * (1 - fx) + coarse[y0][:, x0 + 1] * fx
+    bottom = coarse[y0 + 1][:, x0] * (1 - fx) + coarse[y0 + 1][:, x0 + 1] * fx
+    field = top * (1 - fy) + bottom * fy + rng.uniform(-10.0, 10.0, size=(height, width, 3))
+    return np.clip(np.rint(field), 0, 255).astype(np.uint8)
 
 
 # ----------------------------------------------------------------------------------------- tasks

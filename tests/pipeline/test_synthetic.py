@@ -88,10 +88,13 @@ def test_each_object_is_drawn_in_its_cell(layout):
         cell = img[r * lay.cell:(r + 1) * lay.cell, c * lay.cell:(c + 1) * lay.cell]
         hit = np.all(cell == np.array(S.COLOURS[colour]), axis=-1).sum()
         assert hit > 30, (r, c, colour)
-    # an empty cell is plain background
+    # an empty cell is plain background (or, on a textured layout, holds no object colour)
     r, c = next((r, c) for r in range(lay.rows) for c in range(lay.cols) if (r, c) not in set(cells))
     cell = img[r * lay.cell + 12:(r + 1) * lay.cell - 12, c * lay.cell + 12:(c + 1) * lay.cell - 12]
-    assert np.all(cell == np.array(S.BACKGROUND))
+    if lay.textured:
+        assert not any(np.all(cell == np.array(rgb), axis=-1).any() for rgb in S.COLOURS.values())
+    else:
+        assert np.all(cell == np.array(S.BACKGROUND))
 
 
 def test_v3_describes_every_cell_and_relates_only_neighbours():
@@ -118,6 +121,26 @@ def test_v3_describes_every_cell_and_relates_only_neighbours():
                 assert tail.endswith(f", left of the {right[2]} {right[4]} ."), tail
             else:
                 assert "," not in tail, tail
+
+
+@pytest.mark.parametrize("task", ["detailcaps", "textcaps"])
+def test_v4_is_v3_on_a_textured_canvas(task):
+    """v4: the same objects and text as v3 for the same index; every object pixel identical, and the empty canvas
+    varies from token to token (no two 28 x 28 background blocks alike) and is never flat grey."""
+    for i in range(4):
+        (a,), text3 = S.render(task, 3, i, layout="v3")
+        (b,), text4 = S.render(task, 3, i, layout="v4")
+        assert text4 == text3
+        empty = (a == np.array(S.BACKGROUND)).all(-1)
+        assert np.array_equal(a[~empty], b[~empty])
+        blocks = b.reshape(a.shape[0] // 28, 28, a.shape[1] // 28, 28, 3).transpose(0, 2, 1, 3, 4)
+        bg = [blk for blk, e in zip(blocks.reshape(-1, 28, 28, 3),
+                                    empty.reshape(a.shape[0] // 28, 28, -1, 28).all((1, 3)).reshape(-1)) if e]
+        assert len(bg) > 100 and len({blk.tobytes() for blk in bg}) == len(bg)
+        assert not any((blk == blk[0, 0]).all() for blk in bg)  # no empty-canvas token is one flat colour
+        spread = b[empty].astype(int)
+        assert 0 < (spread.max(-1) - spread.min(-1)).mean() < 80  # faint colour, far from the objects' saturation
+    assert np.array_equal(S.render(task, 3, 3, layout="v4")[0][0], b)  # a pure function of its arguments
 
 
 def test_layouts_keep_video_and_tag_sample_ids():

@@ -36,7 +36,8 @@ class InlineDataset:
     def __init__(self, cfg, paths, plan, res):
         self.cfg, self.paths, self.plan, self.res = cfg, paths, plan, res
 
-    def iter_batches(self, batch_size=None, batch_format="pyarrow"):
+    def iter_batches(self, batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+        """Each batch is yielded as soon as it is computed, which is what ``prefetch_batches=0`` gives."""
         actor_cfg = self.cfg.to_dict()
         actor_cfg["torch_threads"] = self.res["torch_threads"]
         ev = SampleEvaluator(actor_cfg, config_hash=self.cfg.config_hash)

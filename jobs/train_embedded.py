@@ -4,7 +4,7 @@ Everything is built locally (word-level tokenizer over the grammar, Qwen2-VL pro
 template, a tiny ``Qwen2VLForConditionalGeneration``) and saved in Hugging Face format, so the result
 loads offline with ``from_pretrained(<dir>)`` and runs through the same code paths as Qwen2-VL-7B.
 
-    python jobs/train_embedded.py                       # the v3 recipe (7500 steps, v3 scenes); CPU, resumes by itself
+    python jobs/train_embedded.py                       # the v4 candidate (6000 steps); CPU, resumes by itself
     python jobs/train_embedded.py --device cuda         # minutes on a GPU
     python jobs/train_embedded.py --minutes 2 --out runs/smoke --run-dir runs/smoke   # smoke run
     python jobs/train_embedded.py --export runs/peek    # a running run's last checkpoint, as a model directory
@@ -392,10 +392,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help="checkpoints and log (gitignored)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--size", default="mini_local", choices=sorted(MODEL_SIZES))
-    ap.add_argument("--layout", default="v3", choices=sorted(S.LAYOUTS),
+    ap.add_argument("--size", default="mini_2d", choices=sorted(MODEL_SIZES))
+    ap.add_argument("--layout", default="v4", choices=sorted(S.LAYOUTS),
                     help="scene layout of detailcaps/textcaps (pipeline/data/synthetic.py LAYOUTS)")
-    ap.add_argument("--steps", type=int, default=7500, help="optimizer steps of the v3 recipe")
+    ap.add_argument("--steps", type=int, default=6000, help="optimizer steps of the v4 candidate recipe")
     ap.add_argument("--minutes", type=float, default=None,
                     help="stop (and save) after this many minutes of this process; for smoke runs")
     ap.add_argument("--stop-after", type=int, default=None,
@@ -403,7 +403,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the weight matrices")
-    ap.add_argument("--sink", action="store_true",
+    ap.add_argument("--sink", action=argparse.BooleanOptionalAction, default=True,
                     help="start with an attention sink on the first token, as a pretrained LLM has")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)

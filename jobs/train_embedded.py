@@ -207,8 +207,11 @@ def plant_attention_sink(model, token_id: int, logit: float = 6.0) -> None:
     scratch on a few million never forms: its idle heads spread their mass over the image instead. This plants
     the LLM's starting point and leaves the rest to training: one hidden dimension ``s`` of the token's
     embedding is large and every other token's is zero (a "massive activation"); each layer's key reads ``s``
-    into the slowest rotary pair (dimension ``d/2 - 1``, which turns by 1e-2 rad over the whole sequence), and a
-    query bias on the same pair makes every query meet it with a logit of about ``logit``; its value starts at 0.
+    into the slowest rotary pair (dimension ``d/2 - 1``), and a query bias on the same pair makes a query meet it
+    with a logit of about ``logit * cos(w * distance)``; its value starts at 0. At theta 1e4 the slowest pair
+    turns by w = 1.8e-4 rad per token, so every query of a 700-token sample sees the full logit; at ``mini_2d``'s
+    theta 100 it turns by 0.013 rad per token, so the planted sink holds only for queries within ~100 tokens of
+    it and answer steps further away meet it at any logit in [-logit, logit] (docs/embedded.md, round 4).
     """
     import torch
 

@@ -253,7 +253,7 @@ def _render_grid(rng: np.random.Generator, cells: dict[int, SceneObject], lay: S
 
 def _canvas(rng: np.random.Generator, height: int, width: int, step: int = 40) -> np.ndarray:
     """(H, W, 3) uint8: per channel, grey 128 +- 40 on a coarse grid every ``step`` px, interpolated bilinearly
-    (low saturation: the channels drift apart by at most 80 of 255), plus +-10 grain per pixel."""
+    (low saturation: the channels drift apart by at most 80 of 255 before the grain), plus +-10 grain per pixel."""
     gh, gw = height // step + 2, width // step + 2
     coarse = rng.uniform(88.0, 168.0, size=(gh, gw, 3))
     y = np.arange(height) / step

@@ -406,7 +406,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the weight matrices")
-    ap.add_argument("--sink", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--sink", action=argparse.BooleanOptionalAction, default=False,
                     help="start with an attention sink on the first token, as a pretrained LLM has")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)

@@ -20,6 +20,7 @@ round-robin, and each row prints its ratio to ``full`` measured in the same run,
 machine's noise. Torch runs on 1 thread unless ``--threads`` says otherwise; the load average is printed.
 
     python benchmarks/decode_cost.py                            # layer mode: 1k, 4k, 16k on CPU (fp32)
+    python benchmarks/decode_cost.py --compile default          # the same, each layer-step one compiled region
     python benchmarks/decode_cost.py --mode model               # tokens/s: embedded model, 7B-geometry stack
     python benchmarks/decode_cost.py --device cuda              # bf16 on a GPU
 """
@@ -83,26 +84,43 @@ def attend_gqa(query, keys, values, scaling):
 
 
 class LayerStep:
-    """One decoder layer's decode step for one method: append the new token's K/V, then the attention hook."""
+    """One decoder layer's decode step for one method: append the new token's K/V, then the attention hook.
 
-    def __init__(self, label: str, prefix: PrefixStore, cfg: RCRConfig, steps: int):
+    With ``compile`` (a torch.compile mode) the resident layer is the static-shape buffer of a compiled decode
+    (``RCRConfig.compile``) and the whole layer-step, append, decision, merge and attention, is one
+    ``torch.compile(fullgraph=True)`` region, so Inductor can fuse the decision's passes over the detector logits.
+    """
+
+    def __init__(self, label: str, prefix: PrefixStore, cfg: RCRConfig, steps: int, compile: str | None = None):
         self.gqa = label == "full(gqa)"
+        self.static = compile is not None and not self.gqa  # full(gqa) is the eager reference
         self.method = parse_method("full" if self.gqa else label, cfg)
-        self.cache = build_cache(self.method, prefix, steps + 8)
+        self.cache = build_cache(self.method, prefix, steps + 8, static=self.static)
         self.tel = Telemetry(1, 1, steps + 8, prefix.valid.device, False, False)
         self.session = DecodeSession(self.method, prefix, self.cache, self.method.init_state(prefix), self.tel,
-                                     masked=False)
+                                     masked=self.static)
         self.module = SimpleNamespace(layer_idx=0)
         self.prefix = prefix
         self.t = 0
+        self.step = self._step
+        if self.static:
+            self.session.step = torch.zeros(1, dtype=torch.long, device=prefix.valid.device)
+            self.step = torch.compile(self._step, fullgraph=True, mode=compile)
 
-    def __call__(self, q, k, v):
-        self.session.step = self.t
+    def _step(self, q, k, v):
         keys, values = self.cache.layers[0].update(k, v)
         if self.gqa:
-            attend_gqa(q, keys, values, self.prefix.scaling)
+            return attend_gqa(q, keys, values, self.prefix.scaling)
+        return self.session(self.module, q, keys, values, None, scaling=self.prefix.scaling)[0]
+
+    def __call__(self, q, k, v):
+        if self.static:
+            self.session.step.fill_(self.t)
+            self.step(q, k, v)
+            self.cache.layers[0].advance(1)  # the host-side counters, outside the compiled region
         else:
-            self.session(self.module, q, keys, values, None, scaling=self.prefix.scaling)
+            self.session.step = self.t
+            self.step(q, k, v)
         self.t += 1
 
 
@@ -111,14 +129,15 @@ def layer_mode(args, device, dtype, sync) -> None:
     methods = [m for m in LAYER_METHODS if m in args.methods or (m == "full(gqa)" and "full" in args.methods)]
     print(f"layer mode: {HQ} q heads, {HKV} KV heads, head dim {D}; device {device}, {dtype}; selected "
           f"{cfg.selected} + window {cfg.window}, candidates {cfg.candidates}, rank {cfg.rank}; "
-          f"{args.settle} settle + {args.steps} timed layer-steps per method")
+          f"{args.settle} settle + {args.steps} timed layer-steps per method" +
+          (f"; every method but full(gqa) compiled whole (mode {args.compile})" if args.compile else ""))
     print(f"{'Np':>7} {'method':>9} {'ms/layer-step':>14} {'x full':>7} {'x bacon':>8} {'refresh r':>9} "
           f"{'keys+vals read':>15} {'detector dots':>14} {'model: Np/16 + 160r':>20}")
     for n in args.lengths:
         prefix = random_prefix(1, n + cfg.window, cfg, device, dtype)
         np_ = prefix.n_prefix
         total = args.settle + args.steps
-        runners = {m: LayerStep(m, prefix, cfg, total) for m in methods}
+        runners = {m: LayerStep(m, prefix, cfg, total, args.compile) for m in methods}
         times = {m: [] for m in methods}
         g = torch.Generator(device="cpu").manual_seed(0)
         with torch.no_grad():
@@ -241,7 +260,9 @@ def main():
     ap.add_argument("--models", default="embedded,7b", help="model mode: comma-separated of embedded, 7b")
     ap.add_argument("--model", default=str(model_dir()))
     ap.add_argument("--stack-layers", type=int, default=2, help="model mode: layers of the 7B-geometry stack")
-    ap.add_argument("--compile", default=None, help="model mode: RCRConfig.compile for every method")
+    ap.add_argument("--compile", default=None,
+                    help="a torch.compile mode (default, reduce-overhead, ...): model mode sets RCRConfig.compile for "
+                         "every method; layer mode compiles each method's whole layer-step (not full(gqa))")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args()

@@ -92,6 +92,12 @@ MODEL_SIZES = {
     # (t, h, w) triples
     "mini_2d_fine": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4,
                          local_layers=1, local_window=32, mrope=[0] + [1] * 16 + [0], rope_theta=100.0),
+    # mini_2d's fast row and column pairs at theta 1e4, and the 10 slowest pairs (0.032 down to 1.8e-4 rad per token)
+    # on time, as a pretrained VLM's rotary has them: at theta 100 every pair turns by at least 0.013 rad per token,
+    # so no key keeps its logit across a 700-token sample and no token can be a sink (docs/embedded.md, round 5);
+    # here rows get 1.0, 0.32, 0.1 and columns 0.56, 0.18, 0.056 rad per token
+    "mini_2d_slow": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4,
+                         local_layers=1, local_window=32, mrope=[0, 1, 1] * 3 + [10, 0, 0], rope_theta=10000.0),
     "small": dict(hidden=192, layers=4, heads=6, kv=3, mlp=512, vdim=96, vdepth=2, vheads=4),
     "base": dict(hidden=256, layers=4, heads=8, kv=4, mlp=640, vdim=96, vdepth=2, vheads=4),
     "tiny": dict(hidden=64, layers=2, heads=2, kv=1, mlp=128, vdim=32, vdepth=1, vheads=2),

@@ -145,3 +145,35 @@ def test_training_resumes_exactly(tmp_path):
 
     assert Qwen2VLForConditionalGeneration.from_pretrained(str(a / "model")).config.model_type == "qwen2_vl"
     assert AutoProcessor.from_pretrained(str(a / "model")).tokenizer.eos_token == "<|im_end|>"
+
+
+def _rotary_rates(model) -> dict[str, torch.Tensor]:
+    """Rad per step of each rotary pair (head_dim/2,) when only time, row or column moves, and along text
+    (t = h = w), read from the model's own rotary embedding (transformers applies the M-RoPE sections)."""
+    rope = model.model.language_model.rotary_emb
+    steps = {"origin": (0, 0, 0), "time": (1, 0, 0), "row": (0, 1, 0), "column": (0, 0, 1), "text": (1, 1, 1)}
+    pos = torch.tensor([list(v) for v in steps.values()]).T.unsqueeze(1)  # (3, 1, 5): (t, h, w) per position
+    cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)  # (1, 5, head_dim)
+    half = cos.shape[-1] // 2
+    angle = torch.atan2(sin[0, :, :half], cos[0, :, :half])  # (5, half); every rate here is below pi
+    return {k: (angle[i] - angle[0]).abs() for i, k in enumerate(steps) if k != "origin"}
+
+
+@pytest.mark.parametrize("size", sorted(T.MODEL_SIZES))
+def test_every_size_builds_with_valid_rotary_sections(size):
+    model = T.build_model(T.build_tokenizer(), size)
+    rates = _rotary_rates(model)
+    # each pair follows exactly one of time, row and column, and text moves every pair
+    moved = torch.stack([rates[k] > 0 for k in ("time", "row", "column")])
+    assert (moved.sum(0) == 1).all(), moved
+    assert torch.allclose(rates["text"], rates["time"] + rates["row"] + rates["column"])
+
+
+def test_mini_2d_slow_resolves_cells_and_leaves_room_for_a_sink():
+    """The documented difference (docs/embedded.md, round 5): mini_2d_slow keeps fast row and column pairs and,
+    unlike mini_2d at theta 100, has pairs slow enough that a key keeps its logit over a whole sample."""
+    tok = T.build_tokenizer()
+    slow, fast = _rotary_rates(T.build_model(tok, "mini_2d_slow")), _rotary_rates(T.build_model(tok, "mini_2d"))
+    assert slow["row"].max() > 0.9 and slow["column"].max() > 0.5  # one cell (2 tokens) apart is told apart
+    assert slow["text"].min() * 700 < 0.2  # the slowest pair turns < 0.2 rad over a 700-token sample
+    assert fast["text"].min() * 700 > 5.0  # at theta 100 even the slowest pair turns by more than 5 rad

@@ -45,7 +45,7 @@ import rcr  # noqa: E402
 from rcr import RCRConfig  # noqa: E402
 from rcr.cache import PrefixLayer, PrefixStore  # noqa: E402
 from rcr.embedded import model_dir  # noqa: E402
-from rcr.generate import DecodeSession, build_cache  # noqa: E402
+from rcr.generate import DecodeSession, build_cache, compile_options  # noqa: E402
 from rcr.methods import parse_method  # noqa: E402
 from rcr.telemetry import Telemetry  # noqa: E402
 
@@ -86,7 +86,7 @@ def attend_gqa(query, keys, values, scaling):
 class LayerStep:
     """One decoder layer's decode step for one method: append the new token's K/V, then the attention hook.
 
-    With ``compile`` (a torch.compile mode) the resident layer is the static-shape buffer of a compiled decode
+    With ``compile`` (an ``RCRConfig.compile`` value) the resident layer is the static-shape buffer of a compiled decode
     (``RCRConfig.compile``) and the whole layer-step, append, decision, merge and attention, is one
     ``torch.compile(fullgraph=True)`` region, so Inductor can fuse the decision's passes over the detector logits.
     """
@@ -105,7 +105,7 @@ class LayerStep:
         self.step = self._step
         if self.static:
             self.session.step = torch.zeros(1, dtype=torch.long, device=prefix.valid.device)
-            self.step = torch.compile(self._step, fullgraph=True, mode=compile)
+            self.step = torch.compile(self._step, fullgraph=True, **compile_options(compile))
 
     def _step(self, q, k, v):
         keys, values = self.cache.layers[0].update(k, v)
@@ -261,7 +261,7 @@ def main():
     ap.add_argument("--model", default=str(model_dir()))
     ap.add_argument("--stack-layers", type=int, default=2, help="model mode: layers of the 7B-geometry stack")
     ap.add_argument("--compile", default=None,
-                    help="a torch.compile mode (default, reduce-overhead, ...): model mode sets RCRConfig.compile for "
+                    help="an RCRConfig.compile value (default, reduce-overhead, eager, ...): model mode sets it for "
                          "every method; layer mode compiles each method's whole layer-step (not full(gqa))")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")

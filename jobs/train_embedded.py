@@ -71,33 +71,32 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
 
+# text hidden / layers / heads / kv heads / mlp ; vision dim / depth / heads
+_MINI = dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4)
+_MINI_LOCAL = dict(_MINI, local_layers=1, local_window=32)
+
 MODEL_SIZES = {
-    # text hidden / layers / heads / kv heads / mlp ; vision dim / depth / heads
-    "mini": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4),
+    "mini": _MINI,
     # mini with a local first layer (sliding window of 32 tokens), as in Qwen2's `use_sliding_window` configs:
     # a global first layer learns to average the whole image (uniform attention over every visual token, in v1
     # and v2 alike), which real 28-layer VLMs confine to their first one or two layers (docs/embedded.md)
-    "mini_local": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4,
-                       local_layers=1, local_window=32),
+    "mini_local": _MINI_LOCAL,
     # mini_local whose spatial M-RoPE can resolve a cell: Qwen2-VL hands out the rotary frequencies in three blocks
     # (t, h, w), so with 16 frequency pairs the image's row and column get only the slow ones (at most 0.1 and 0.006
     # rad per token at theta 1e4): a decoder query cannot tell one 4-token cell from its neighbour by position and
     # reads a blur of cells. The section list below cycles t, h, w three times (Qwen2-VL applies section k to
     # position component k % 3), the interleaving Qwen3-VL adopted for this reason, and theta 100 puts the fastest
     # row and column frequencies at 0.75 and 0.42 rad per token.
-    "mini_2d": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4,
-                    local_layers=1, local_window=32, mrope=[1, 2, 2, 1, 2, 2, 2, 2, 2], rope_theta=100.0),
+    "mini_2d": dict(_MINI_LOCAL, mrope=[1, 2, 2, 1, 2, 2, 2, 2, 2], rope_theta=100.0),
     # mini_2d with the sections one frequency pair each, rows and columns first: row, column, time, row, ... so the
     # fastest pairs (1.0 and 0.75 rad per token) resolve the image; the leading and trailing 0 keep the list in
     # (t, h, w) triples
-    "mini_2d_fine": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4,
-                         local_layers=1, local_window=32, mrope=[0] + [1] * 16 + [0], rope_theta=100.0),
+    "mini_2d_fine": dict(_MINI_LOCAL, mrope=[0] + [1] * 16 + [0], rope_theta=100.0),
     # mini_2d's fast row and column pairs at theta 1e4, and the 10 slowest pairs (0.032 down to 1.8e-4 rad per token)
     # on time, as a pretrained VLM's rotary has them: at theta 100 every pair turns by at least 0.013 rad per token,
     # so no key keeps its logit across a 700-token sample and no token can be a sink (docs/embedded.md, round 5);
     # here rows get 1.0, 0.32, 0.1 and columns 0.56, 0.18, 0.056 rad per token
-    "mini_2d_slow": dict(hidden=128, layers=4, heads=4, kv=2, mlp=512, vdim=64, vdepth=2, vheads=4,
-                         local_layers=1, local_window=32, mrope=[0, 1, 1] * 3 + [10, 0, 0], rope_theta=10000.0),
+    "mini_2d_slow": dict(_MINI_LOCAL, mrope=[0, 1, 1] * 3 + [10, 0, 0], rope_theta=10000.0),
     "small": dict(hidden=192, layers=4, heads=6, kv=3, mlp=512, vdim=96, vdepth=2, vheads=4),
     "base": dict(hidden=256, layers=4, heads=8, kv=4, mlp=640, vdim=96, vdepth=2, vheads=4),
     "tiny": dict(hidden=64, layers=2, heads=2, kv=1, mlp=128, vdim=32, vdepth=1, vheads=2),

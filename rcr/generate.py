@@ -157,7 +157,8 @@ def _eos_tensor(eos_token_id, device) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def _compile_options(mode: str) -> dict:
+def compile_options(mode: str) -> dict:
+    """torch.compile keyword arguments for an ``RCRConfig.compile`` value: a backend or a mode."""
     return {"backend": mode} if mode in ("eager", "aot_eager") else {"mode": mode}
 
 
@@ -212,7 +213,7 @@ class Decoder:
             self.session.step = torch.zeros(1, dtype=torch.long, device=dev)
             for buf in self._persistent_tensors():  # CUDA graphs replay on fixed addresses
                 torch._dynamo.mark_static_address(buf)
-            self.forward = torch.compile(self._forward, fullgraph=True, **_compile_options(cfg.compile))
+            self.forward = torch.compile(self._forward, fullgraph=True, **compile_options(cfg.compile))
 
     def _persistent_tensors(self) -> list[torch.Tensor]:
         bufs = [self.session.step, self.no_mask]

@@ -125,7 +125,7 @@ class LayerStep:
 
 
 def layer_mode(args, device, dtype, sync) -> None:
-    cfg = RCRConfig()
+    cfg = RCRConfig(compile=args.compile)  # checks the --compile value, as model mode does
     methods = [m for m in LAYER_METHODS if m in args.methods or (m == "full(gqa)" and "full" in args.methods)]
     print(f"layer mode: {HQ} q heads, {HKV} KV heads, head dim {D}; device {device}, {dtype}; selected "
           f"{cfg.selected} + window {cfg.window}, candidates {cfg.candidates}, rank {cfg.rank}; "
@@ -137,7 +137,7 @@ def layer_mode(args, device, dtype, sync) -> None:
         prefix = random_prefix(1, n + cfg.window, cfg, device, dtype)
         np_ = prefix.n_prefix
         total = args.settle + args.steps
-        runners = {m: LayerStep(m, prefix, cfg, total, args.compile) for m in methods}
+        runners = {m: LayerStep(m, prefix, cfg, total, cfg.compile) for m in methods}
         times = {m: [] for m in methods}
         g = torch.Generator(device="cpu").manual_seed(0)
         with torch.no_grad():

@@ -1,0 +1,87 @@
+"""How fast does a fresh embedded-size model learn to read a scene layout? textcaps only, from scratch.
+
+textcaps answers are short ("A big red plain circle at the top left .") and name 1-2 objects, so the words
+only the image tells (benchmarks/reading_probe.py) are learnt first here, or not at all. Every ``--every`` steps
+the held-out reading accuracy is printed for ``--layout`` and for each ``--also`` layout. ``--boot N`` trains the
+first N steps on ``--boot-layout``'s scenes instead (what jobs/train_embedded.py's curriculum does).
+
+    python benchmarks/vision_bootstrap.py --layout v1 --steps 400          # the small flat canvas
+    python benchmarks/vision_bootstrap.py --layout v4 --steps 400          # v4's textured 448 x 560 canvas
+    python benchmarks/vision_bootstrap.py --layout v4 --boot 800 --steps 1000 --also v1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.reading_probe import probe  # noqa: E402
+from jobs import train_embedded as T  # noqa: E402
+from pipeline.data import synthetic as S  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="mini_2d_slow", choices=sorted(T.MODEL_SIZES))
+    ap.add_argument("--layout", default="v4", choices=sorted(S.LAYOUTS))
+    ap.add_argument("--also", default="", help="comma-separated layouts also evaluated")
+    ap.add_argument("--boot", type=int, default=0, help="the first BOOT steps train on --boot-layout")
+    ap.add_argument("--boot-layout", default=T.BOOTSTRAP_LAYOUT, choices=sorted(S.LAYOUTS))
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--every", type=int, default=100)
+    ap.add_argument("--batch", type=int, default=T.BATCH_SIZES["textcaps"])
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--n", type=int, default=24, help="held-out samples per evaluation")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+
+    tok = T.build_tokenizer()
+    processor = T.build_processor(tok)
+    model = T.build_model(tok, args.size, seed=args.seed)
+    train_args = argparse.Namespace(lr=args.lr, weight_decay=0.1, warmup=50, steps=args.steps)
+    opt = T.make_optimizer(model, train_args)
+    builder = T.BatchBuilder(processor)
+    layouts = [args.layout] + [x for x in args.also.split(",") if x and x != args.layout]
+    print(f"size {args.size}, textcaps only, batch {args.batch}, {args.steps} steps"
+          + (f", the first {args.boot} on {args.boot_layout}" if args.boot else f" on {args.layout}")
+          + f"; load average {os.getloadavg()[0]:.2f}; held-out accuracy [chance]", flush=True)
+    t0 = time.time()
+    for step in range(args.steps + 1):
+        if step % args.every == 0 or step == args.steps:
+            model.eval()
+            cells = []
+            for lay in layouts:
+                res = probe(model, processor, "textcaps", lay, args.n)
+                cells.append(f"{lay}: " + " ".join(f"{k} {c / m:.2f} [{ch:.2f}]" for k, (c, m, ch) in res.items()
+                                                   if k in ("colour", "shape") and m))
+            print(f"step {step:>5}  " + "   ".join(cells) + f"   {time.time() - t0:.0f} s", flush=True)
+            model.train()
+        if step == args.steps:
+            break
+        lay = args.boot_layout if step < args.boot else args.layout
+        batch = builder.build("textcaps", [S.render("textcaps", args.seed, step * 64 + i, layout=lay)
+                                           for i in range(args.batch)])
+        for g in opt.param_groups:
+            g["lr"] = T.lr_at(train_args, step)
+        labels = batch.pop("labels")
+        logits = model(**batch).logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                                 ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+if __name__ == "__main__":
+    main()

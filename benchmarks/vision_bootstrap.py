@@ -71,16 +71,7 @@ def main(argv=None) -> None:
         lay = args.boot_layout if step < args.boot else args.layout
         batch = builder.build("textcaps", [S.render("textcaps", args.seed, step * 64 + i, layout=lay)
                                            for i in range(args.batch)])
-        for g in opt.param_groups:
-            g["lr"] = T.lr_at(train_args, step)
-        labels = batch.pop("labels")
-        logits = model(**batch).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                                 ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        T.optimizer_step(model, opt, batch, T.lr_at(train_args, step))
 
 
 if __name__ == "__main__":

@@ -454,6 +454,24 @@ def make_optimizer(model, args: argparse.Namespace):
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
 
 
+def optimizer_step(model, opt, batch: dict, lr: float):
+    """One AdamW step on a training batch (its "labels" popped): cross-entropy on the answer tokens, gradient
+    clip 1. Returns (loss, logits (B, T-1, V) fp32, targets (B, T-1))."""
+    import torch
+
+    for g in opt.param_groups:
+        g["lr"] = lr
+    labels = batch.pop("labels")
+    logits = model(**batch).logits[:, :-1].float()
+    tgt = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss, logits, tgt
+
+
 def init_weights_from(model, path: str) -> None:
     from transformers import Qwen2VLForConditionalGeneration
 
@@ -534,20 +552,11 @@ class Trainer:
         args = self.args
         _, batch = make_batch(self.builder, args.seed, self.step, args.steps, args.batch_scale, args.layout)
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        for g in self.opt.param_groups:
-            g["lr"] = lr_at(args, self.step)
-        labels = batch.pop("labels")
-        logits = self.model(**batch).logits[:, :-1].float()
-        tgt = labels[:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                                                 ignore_index=-100)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
+        n = batch["input_ids"].shape[0]
+        loss, logits, tgt = optimizer_step(self.model, self.opt, batch, lr_at(args, self.step))
         self.step += 1
         with torch.no_grad():
-            meter.add(loss, logits, tgt, batch["input_ids"].shape[0])
+            meter.add(loss, logits, tgt, n)
 
     def log(self, meter: Meter) -> None:
         import torch

@@ -340,7 +340,7 @@ class BatchBuilder:
 # canvas, textcaps colour stayed at chance for 400 steps from scratch (and every v2-v4 run from scratch had not
 # learnt it thousands of steps later), because at the start the answer tokens attend to all visual tokens
 # alike, and the 1-4 tokens of an object are lost in the noise of 300 varied background tokens
-# (docs/embedded.md, round 6). Once vision reads the flat canvas, it carries over to the textured one.
+# (docs/embedded.md, round 6). Whether reading carries over to the textured canvas is still open there.
 BOOTSTRAP_LAYOUT = "v1"
 CURRICULUM = (
     # (until frac, {task: weight}, detailcaps objects (lo, hi) or None for the layout's own, share on --layout)

@@ -336,11 +336,12 @@ class BatchBuilder:
 # Curriculum (fraction of --steps -> task mix, detailcaps object counts, share of steps on --layout's scenes).
 # Vision has to be bootstrapped on easy images first: with the final mix from step 0 the tiny model settled on
 # the language prior and still guessed colours at chance after 900 steps, while textcaps alone teaches colours
-# in ~200 steps. That holds only on BOOTSTRAP_LAYOUT's small flat canvas: on v4's 320 visual tokens of textured
-# canvas, textcaps colour stayed at chance for 400 steps from scratch (and every v2-v4 run from scratch had not
-# learnt it thousands of steps later), because at the start the answer tokens attend to all visual tokens
-# alike, and the 1-4 tokens of an object are lost in the noise of 300 varied background tokens
-# (docs/embedded.md, round 6). Whether reading carries over to the textured canvas is still open there.
+# in a few hundred steps (benchmarks/vision_bootstrap.py). That holds only on BOOTSTRAP_LAYOUT's small flat
+# canvas: on v4's 320 visual tokens of textured canvas, textcaps colour stayed at chance for 400 steps from
+# scratch (and every v2-v4 run from scratch had not learnt it thousands of steps later), because at the start
+# the answer tokens attend to all visual tokens alike, and the 1-4 tokens of an object are lost in the noise of
+# 300 varied background tokens (docs/embedded.md, round 6). Whether reading carries over to the textured canvas
+# is still open there.
 BOOTSTRAP_LAYOUT = "v1"
 CURRICULUM = (
     # (until frac, {task: weight}, detailcaps objects (lo, hi) or None for the layout's own, share on --layout)
@@ -381,6 +382,7 @@ def make_batch(builder: BatchBuilder, seed: int, step: int, total_steps: int, ba
     return task, builder.build(task, samples)
 
 
+# ------------------------------------------------------------------------------------- train
 def save_assets(model, processor, out: Path):
     """Save model (fp32 safetensors), tokenizer and processor into ``out`` atomically."""
     out = Path(out)

@@ -338,7 +338,7 @@ class BatchBuilder:
 # the language prior and still guessed colours at chance after 900 steps, while textcaps alone teaches colours
 # in a few hundred steps (benchmarks/vision_bootstrap.py). That holds only on BOOTSTRAP_LAYOUT's small flat
 # canvas: on v4's 320 visual tokens of textured canvas, textcaps colour stayed at chance for 400 steps from
-# scratch (and every v2-v4 run from scratch had not learnt it thousands of steps later), because at the start
+# scratch (and every v3/v4 run from scratch had not learnt it thousands of steps later), because at the start
 # the answer tokens attend to all visual tokens alike, and the 1-4 tokens of an object are lost in the noise of
 # 300 varied background tokens (docs/embedded.md, round 6). Whether reading carries over to the textured canvas
 # is still open there.

@@ -148,7 +148,7 @@ def test_reading_probe_scores_only_the_words_the_image_tells():
 
 def test_the_shipped_model_reads_its_scenes(shipped):
     """Colour and texture are told only by the image: the shipped model gets them right far above chance
-    (a model that ignores the image, as every v2-v4 run from scratch did, sits at 1/6 and 1/3)."""
+    (a model that ignores the image, as every v3/v4 run from scratch did, sits at 1/6 and 1/3)."""
     from benchmarks.reading_probe import probe
 
     model, processor = shipped

@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from pipeline.data import synthetic as S  # noqa: E402
-from rcr.models import build_inputs, geometry, load  # noqa: E402
+from rcr.models import build_inputs, geometry, load, with_answer  # noqa: E402
 
 
 def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: int, selected: int,
@@ -86,13 +86,7 @@ def profile(model, processor, task: str, layout: str, n: int, selected: int, max
         n_prompt = inputs["input_ids"].shape[1]
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-            full = dict(inputs)
-            full["input_ids"] = out
-            full["attention_mask"] = torch.ones_like(out)
-            if "mm_token_type_ids" in full:
-                pad = torch.zeros(1, out.shape[1] - n_prompt, dtype=full["mm_token_type_ids"].dtype)
-                full["mm_token_type_ids"] = torch.cat([full["mm_token_type_ids"], pad], 1)
-            attn = model(**full, output_attentions=True).attentions
+            attn = model(**with_answer(inputs, out[:, n_prompt:]), output_attentions=True).attentions
         image = torch.tensor([int(t) in image_ids for t in inputs["input_ids"][0]])
         flat = None
         if task != "video" and "image_grid_thw" in inputs:

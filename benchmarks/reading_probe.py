@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from pipeline.data import synthetic as S  # noqa: E402
-from rcr.models import PROMPTS, build_inputs, load  # noqa: E402
+from rcr.models import PROMPTS, build_inputs, load, with_answer  # noqa: E402
 
 # attribute words by their offset after "a", and the chance of a uniform guess (the generator draws uniformly)
 ATTRIBUTES = {"size": (1, S.SIZES), "colour": (2, tuple(S.COLOURS)), "texture": (3, S.TEXTURES),
@@ -69,13 +69,9 @@ def probe(model, processor, task: str, layout: str, n: int) -> dict[str, tuple[i
         answer = tok(text, add_special_tokens=False)["input_ids"]
         words = tok.convert_ids_to_tokens(answer)
         n_prompt = inputs["input_ids"].shape[1]
-        ext = torch.tensor([answer])
-        inputs["input_ids"] = torch.cat([inputs["input_ids"], ext], 1)
-        inputs["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(ext)], 1)
-        if "mm_token_type_ids" in inputs:
-            inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ext)], 1)
         with torch.no_grad():
-            pred = model(**inputs).logits[0, n_prompt - 1:-1].argmax(-1).tolist()  # predicts answer word k
+            logits = model(**with_answer(inputs, torch.tensor([answer]))).logits[0]
+        pred = logits[n_prompt - 1:-1].argmax(-1).tolist()  # position n_prompt - 1 + k predicts answer word k
         for name, where in scored_positions(words).items():
             counts[name][0] += sum(pred[k] == answer[k] for k in where)
             counts[name][1] += len(where)

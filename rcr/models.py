@@ -186,3 +186,14 @@ def build_inputs(processor, prompts: list[str], images: list[list], video: bool 
     if video:
         return processor(text=texts, videos=[list(f) for f in images], return_tensors="pt", padding=True)
     return processor(text=texts, images=[list(f) for f in images], return_tensors="pt", padding=True)
+
+
+def with_answer(inputs, answer_ids: torch.Tensor) -> dict:
+    """``build_inputs``' prompt inputs with ``answer_ids`` (B, A) appended: one teacher-forced forward pass over
+    prompt + answer. The answer is text (token type 0) and attended."""
+    full = dict(inputs)
+    full["input_ids"] = torch.cat([inputs["input_ids"], answer_ids], 1)
+    full["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(answer_ids)], 1)
+    if "mm_token_type_ids" in inputs:
+        full["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(answer_ids)], 1)
+    return full

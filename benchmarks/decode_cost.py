@@ -16,8 +16,9 @@ few random-weight layers of the 7B geometry (hidden 3584, MLP 18944) on a random
 
 Every method gets the same untimed settle steps (the rate controller's tau0 is far below the drift of random
 keys; the settle steps also give every cache the same number of generated entries), methods are interleaved
-round-robin, and each row prints its ratio to ``full`` measured in the same run, so the ratios share the
-machine's noise. Torch runs on 1 thread unless ``--threads`` says otherwise; the load average is printed.
+round-robin in an order shuffled every round, and each row prints its ratio to ``full`` measured in the same
+run, so the ratios share the machine's noise. Torch runs on 1 thread unless ``--threads`` says otherwise; the
+load average is printed. On CPU, ``rcr(torch)`` is rcr with ``fused_kernel=False`` (rcr/fused.py).
 
     python benchmarks/decode_cost.py                            # layer mode: 1k, 4k, 16k on CPU (fp32)
     python benchmarks/decode_cost.py --compile default          # the same, each layer-step one compiled region
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import statistics
 import sys
 import time
@@ -51,8 +53,31 @@ from rcr.telemetry import Telemetry  # noqa: E402
 
 HQ, HKV, D = 28, 4, 128  # Qwen2-VL-7B attention
 HIDDEN, MLP = 3584, 18944  # Qwen2-VL-7B text layer
-LAYER_METHODS = ["full(gqa)", "full", "bacon", "exact", "rcr", "quest"]
-MODEL_METHODS = ["full", "bacon", "exact", "rcr", "quest"]
+LAYER_METHODS = ["full(gqa)", "full", "bacon", "exact", "rcr", "rcr(torch)", "quest"]
+MODEL_METHODS = ["full", "bacon", "exact", "rcr", "rcr(torch)", "quest"]
+# variants timed next to the method they belong to (run whenever it is): the attention before the one-token fast
+# path, and rcr with its detector pass as composed torch ops instead of the fused CPU kernel (rcr/fused.py)
+VARIANTS = {"full(gqa)": ("full", {}), "rcr(torch)": ("rcr", {"fused_kernel": False})}
+
+
+def selected_methods(candidates: list[str], wanted: list[str], device) -> list[str]:
+    """The methods of ``wanted`` with their variants, in table order; the kernel exists only on CPU."""
+    return [m for m in candidates if VARIANTS.get(m, (m,))[0] in wanted
+            and not (m == "rcr(torch)" and device.type != "cpu")]
+
+
+def shuffled(methods: list[str], i: int) -> list[str]:
+    """The order of round ``i``, a fixed shuffle per round: which method runs right before which changes from round
+    to round, because a step runs slower right after another method's step has evicted its data from the caches
+    (at 1k, rcr's layer-step took 0.3-0.5 ms longer right after ``bacon``'s, whichever rcr variant ran there)."""
+    order = list(methods)
+    random.Random(i).shuffle(order)
+    return order
+
+
+def method_for(label: str, cfg: RCRConfig):
+    base, changes = VARIANTS.get(label, (label, {}))
+    return parse_method(base, cfg.replace(**changes))
 
 
 def load_line() -> str:
@@ -94,7 +119,7 @@ class LayerStep:
     def __init__(self, label: str, prefix: PrefixStore, cfg: RCRConfig, steps: int, compile: str | None = None):
         self.gqa = label == "full(gqa)"
         self.static = compile is not None and not self.gqa  # full(gqa) is the eager reference
-        self.method = parse_method("full" if self.gqa else label, cfg)
+        self.method = method_for(label, cfg)
         self.cache = build_cache(self.method, prefix, steps + 8, static=self.static)
         self.tel = Telemetry(1, 1, steps + 8, prefix.valid.device, False, False)
         self.session = DecodeSession(self.method, prefix, self.cache, self.method.init_state(prefix), self.tel,
@@ -126,12 +151,12 @@ class LayerStep:
 
 def layer_mode(args, device, dtype, sync) -> None:
     cfg = RCRConfig(compile=args.compile)  # checks the --compile value, as model mode does
-    methods = [m for m in LAYER_METHODS if m in args.methods or (m == "full(gqa)" and "full" in args.methods)]
+    methods = selected_methods(LAYER_METHODS, args.methods, device)
     print(f"layer mode: {HQ} q heads, {HKV} KV heads, head dim {D}; device {device}, {dtype}; selected "
           f"{cfg.selected} + window {cfg.window}, candidates {cfg.candidates}, rank {cfg.rank}; "
           f"{args.settle} settle + {args.steps} timed layer-steps per method" +
           (f"; every method but full(gqa) compiled whole (mode {args.compile})" if args.compile else ""))
-    print(f"{'Np':>7} {'method':>9} {'ms/layer-step':>14} {'x full':>7} {'x bacon':>8} {'refresh r':>9} "
+    print(f"{'Np':>7} {'method':>10} {'ms/layer-step':>14} {'x full':>7} {'x bacon':>8} {'refresh r':>9} "
           f"{'keys+vals read':>15} {'detector dots':>14} {'model: Np/16 + 160r':>20}")
     for n in args.lengths:
         prefix = random_prefix(1, n + cfg.window, cfg, device, dtype)
@@ -143,7 +168,7 @@ def layer_mode(args, device, dtype, sync) -> None:
         with torch.no_grad():
             for i in range(total):
                 q, k, v = (torch.randn(1, h, 1, D, generator=g).to(device, dtype) for h in (HQ, HKV, HKV))
-                for m in methods:  # interleaved: same inputs, same moment, same number of steps
+                for m in shuffled(methods, i):  # interleaved: same inputs, same moment, same number of steps
                     sync()
                     t0 = time.perf_counter()
                     runners[m](q, k, v)
@@ -157,9 +182,9 @@ def layer_mode(args, device, dtype, sync) -> None:
             r = float(tel.trigger[0, 0, s].mean())
             reads = float((tel.keys_read[0, 0, s] + tel.values_read[0, 0, s]).mean())
             dots = float(tel.detector_dots[0, 0, s].mean())
-            model = f"{np_ / 16:.0f} + {160 * r:.1f}" if m == "rcr" else "-"
+            model = f"{np_ / 16:.0f} + {160 * r:.1f}" if m.startswith("rcr") else "-"
             xb = f"{med[m] / med['bacon']:8.2f}" if "bacon" in med else f"{'-':>8}"
-            print(f"{np_:>7} {m:>9} {med[m] * 1e3:>14.3f} {med[m] / med['full']:>7.2f} {xb} {r:>9.2f} "
+            print(f"{np_:>7} {m:>10} {med[m] * 1e3:>14.3f} {med[m] / med['full']:>7.2f} {xb} {r:>9.2f} "
                   f"{reads:>15.1f} {dots:>14.1f} {model:>20}", flush=True)
         if "full(gqa)" in med:
             print(f"{np_:>7} full / full(gqa) = {med['full'] / med['full(gqa)']:.2f}", flush=True)
@@ -199,7 +224,7 @@ def time_methods(model, prefix, methods, cfg, n_tokens, rounds, settle, sync) ->
     """Median tokens/s per method over ``rounds`` interleaved stretches of ``n_tokens`` decode steps. Each method
     has one decoder from the same prefix store, and first runs ``settle`` untimed steps (tau settles; a compiled
     decode compiles and, with CUDA graphs, records)."""
-    decs = {m: rcr.Decoder(model, prefix, parse_method(m, cfg), settle + rounds * n_tokens + 1, eos_token_id=[])
+    decs = {m: rcr.Decoder(model, prefix, method_for(m, cfg), settle + rounds * n_tokens + 1, eos_token_id=[])
             for m in methods}
     tps = {m: [] for m in methods}
     with torch.no_grad(), contextlib.ExitStack() as stack:
@@ -207,8 +232,8 @@ def time_methods(model, prefix, methods, cfg, n_tokens, rounds, settle, sync) ->
             stack.enter_context(decs[m].enabled())
             for _ in range(settle):
                 decs[m].step()
-        for _ in range(rounds):
-            for m in methods:  # interleaved: every method sees the machine at about the same moment
+        for r in range(rounds):
+            for m in shuffled(methods, r):  # interleaved: every method sees the machine at about the same moment
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(n_tokens):
@@ -220,16 +245,16 @@ def time_methods(model, prefix, methods, cfg, n_tokens, rounds, settle, sync) ->
 
 def print_tps(name: str, tps: dict[str, float]) -> None:
     for m, v in tps.items():
-        print(f"{name:<28} {m:>7} {v:>9.1f} {v / tps['full']:>7.2f}", flush=True)
+        print(f"{name:<28} {m:>10} {v:>9.1f} {v / tps['full']:>7.2f}", flush=True)
 
 
 def model_mode(args, device, dtype, sync) -> None:
     cfg = RCRConfig(**({"compile": args.compile} if args.compile else {}))
-    methods = [m for m in MODEL_METHODS if m in args.methods]
+    methods = selected_methods(MODEL_METHODS, args.methods, device)
     print(f"model mode: device {device}, {dtype}; median of {args.rounds} interleaved stretches of {args.tokens} "
           f"decode steps per method, after {args.settle} untimed steps" +
           (f"; compile={args.compile}" if args.compile else ""))
-    print(f"{'model':<28} {'method':>7} {'tokens/s':>9} {'x full':>7}")
+    print(f"{'model':<28} {'method':>10} {'tokens/s':>9} {'x full':>7}")
     if "embedded" in args.models:
         model, inputs = embedded_model(args, device, dtype)
         with torch.no_grad():
@@ -250,7 +275,8 @@ def main():
     ap.add_argument("--mode", choices=["layer", "model"], default="layer")
     ap.add_argument("--lengths", type=int, nargs="+", default=None,
                     help="prefix lengths Np (default: 1024 4096 16384 in layer mode, 1024 16384 in model mode)")
-    ap.add_argument("--methods", default=",".join(MODEL_METHODS), help="comma-separated; full is always included")
+    ap.add_argument("--methods", default=",".join(m for m in MODEL_METHODS if m not in VARIANTS),
+                    help="comma-separated; full is always included, and each method's variants with it")
     ap.add_argument("--steps", type=int, default=40, help="layer mode: timed layer-steps per method and length")
     ap.add_argument("--settle", type=int, default=None,
                     help="untimed steps every method runs first, so tau reaches its steady state "

@@ -85,6 +85,9 @@ class RCRConfig:
     # "default", "reduce-overhead" (CUDA graphs on a GPU) or "max-autotune"; or "eager" / "aot_eager",
     # torch's debugging backends (trace and check the graph, no code generation).
     compile: str | None = None
+    # RCR's pass over the detector logits (rcr, fixed, rcr_layer) as one C++ kernel on CPU (rcr/fused.py), built
+    # on first use; False = the composed torch ops, which other devices always use. The same decisions either way.
+    fused_kernel: bool = True
     extra: dict = field(default_factory=dict, compare=False)  # free-form notes, logged with the config
 
     def __post_init__(self):
@@ -128,6 +131,7 @@ class RCRConfig:
         need(self.infinigen_layer0 in ("exact_query", "static"), "infinigen_layer0",
              "must be 'exact_query' or 'static'")
         need(isinstance(self.offload, bool), "offload", "must be a bool")
+        need(isinstance(self.fused_kernel, bool), "fused_kernel", "must be a bool")
         need(self.compile in COMPILE_MODES, "compile", f"must be one of {list(COMPILE_MODES)}")
         need(self.compile is None or not self.offload, "compile",
              "cannot be combined with offload=True: offload mode reads the trigger on the host every layer-step")

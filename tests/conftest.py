@@ -2,6 +2,7 @@
 
 import pytest
 
+import rcr.fused
 from tests import tiny_models
 
 FAMILIES = list(tiny_models.FAMILIES)
@@ -11,3 +12,11 @@ FAMILIES = list(tiny_models.FAMILIES)
 def family(request):
     model, processor = tiny_models.FAMILIES[request.param]()
     return request.param, model, processor
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fused_kernel():
+    """Build RCR's fused CPU kernel once, up front (about a minute on a fresh machine; cached after that), rather
+    than inside whichever test first decodes with rcr; a failed build warns and the torch path is tested."""
+    return rcr.fused.available()
+

@@ -4,7 +4,8 @@
 Per decode layer-step, before attention, with the current post-RoPE query q:
 1. drift = attention mass on evicted prefix entries, with approximate logits (rank-r detector) for the
    evicted and exact logits for the resident entries: sigmoid(LSE(z~_evicted) - LSE(z_resident)),
-   averaged over the G query heads and the KV heads of the layer.
+   averaged over the G query heads and the KV heads of the layer. The one pass over the detector logits
+   (``Detector.evicted_lse_and_scores``) also gives the candidate scores; on CPU it is a fused C++ kernel.
 2. trigger = drift > tau.
 3. Candidates, computed in every layer: the detector's top-C prefix entries (kept and evicted alike),
    re-scored exactly with their keys; the top S are the new selection (C key + S value reads).
@@ -24,7 +25,8 @@ import torch
 from ..cache import gather_heads
 from ..controller import RateController
 from ..detector import Detector
-from ..scoring import NEG_INF, group_queries, logits, masked_lse, reduce_heads, top_sorted
+from ..fused import available as fused_kernel_available
+from ..scoring import group_queries, logits, masked_lse, reduce_heads, top_sorted
 from .base import Decision, Method, StepContext
 
 
@@ -33,6 +35,7 @@ class RCRState:
     detectors: list[Detector]  # one per layer
     tau: torch.Tensor  # (B,) shared by all layers of a sample, or (B, L) per layer
     n_valid_prefix: torch.Tensor  # (B,) valid prefix entries, for the detector cost counter
+    fused: bool = False  # the detector pass runs as rcr.fused's CPU kernel
 
 
 @dataclass
@@ -54,8 +57,10 @@ class RCR(Method):
         for layer in range(len(prefix.layers)):
             k_p, _ = prefix.prefix_kv(layer)
             dets.append(Detector.build(k_p, prefix.prefix_valid, self.config.rank))
+        # decided here, outside the (possibly compiled) decode step
+        fused = self.config.fused_kernel and prefix.valid.device.type == "cpu" and fused_kernel_available()
         return RCRState(detectors=dets, tau=self.initial_tau(prefix),
-                        n_valid_prefix=prefix.prefix_valid.sum(-1).float())
+                        n_valid_prefix=prefix.prefix_valid.sum(-1).float(), fused=fused)
 
     def initial_tau(self, prefix) -> torch.Tensor:
         return self.controller.init(self.tau_shape(prefix), prefix.valid.device)
@@ -77,24 +82,8 @@ class RCR(Method):
         # 1. estimated drift: exact on resident slots, approximate on evicted prefix entries
         lg_res = logits(qg, res.resident_keys, p.scaling)  # (B, Hkv, G, n)
         lse_res = masked_lse(lg_res, res.resident_valid) if res.slots_masked else torch.logsumexp(lg_res, dim=-1)
-        # One softmax over the detector logits serves the drift and the candidate scores. Padding is set to
-        # -inf in place (approx is this step's own tensor); a sample with no valid entry gives NaN rows -> 0.
-        approx = det.approx_logits(qg, p.scaling)  # (B, Hkv, G, Np)
-        if padded:
-            approx.masked_fill_(~valid_p.unsqueeze(2), NEG_INF)
-        probs = torch.softmax(approx, dim=-1)
-        if padded:
-            probs.nan_to_num_(0.0)
-        # LSE over the evicted entries = LSE over all valid entries + log(softmax mass on the evicted ones); at
-        # the row's max logit m the softmax is exp(m - LSE), so LSE = m - log(max prob): two max passes instead
-        # of a masked copy and a log-sum-exp pass. The evicted mass is summed directly (no 1 - resident mass,
-        # which would cancel when the resident entries hold almost all of it), and is exactly 0 when nothing
-        # is evicted.
-        evicted = torch.ones(p.batch_size, p.n_kv_heads, 1, p.n_prefix, device=probs.device)
-        evicted.scatter_(3, res.selection.unsqueeze(2), 0.0)  # (B, Hkv, 1, Np); padding has probability 0
-        mass_ev = (probs * evicted).sum(-1)  # (B, Hkv, G)
-        lse_ev = approx.amax(-1) - probs.amax(-1).log() + mass_ev.log()
-        lse_ev = torch.where(mass_ev > 0, lse_ev, NEG_INF)  # also a sample with no valid prefix entry
+        lse_ev, scores = det.evicted_lse_and_scores(qg, res.selection, p.prefix_valid if padded else None,
+                                                    p.scaling, cfg.head_reduction, st.fused)
         drift_h = torch.sigmoid(lse_ev - lse_res).mean(-1)  # (B, Hkv)
         drift = drift_h.mean(-1)  # (B,)
 
@@ -111,9 +100,6 @@ class RCR(Method):
 
         # 3. candidates: detector top-C over the whole prefix, exact re-scoring, keep top S
         n_cand = min(cfg.candidates, p.n_prefix)
-        scores = probs.mean(dim=2) if cfg.head_reduction == "mean_prob" else approx.amax(dim=2)  # (B, Hkv, Np)
-        if padded:
-            scores.masked_fill_(~valid_p.expand_as(scores), NEG_INF)
         cand = top_sorted(scores, n_cand)  # (B, Hkv, C)
         rows = ctx.reader.fired(trigger, cand)  # offload: host view of the trigger; GPU-only: None
         if rows is not None and not bool(rows.any()):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import rcr
+import rcr.fused
 from rcr.methods import Decision, parse_method
 from tests import tiny_models
 
@@ -108,6 +109,7 @@ def twin(label, config):
 
         def decide(self, ctx):
             st = ctx.state
+            assert st.fused is rcr.fused.available()  # on CPU, the fused kernel's decisions are the ones checked
             tau_before = st.tau.clone()
             got = super().decide(ctx)
             tau_got = st.tau.clone()

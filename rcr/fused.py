@@ -1,0 +1,56 @@
+"""RCR's detector pass as one fused CPU kernel (``rcr/csrc/detector_pass.cpp``), the torch op
+``torch.ops.rcr.detector_pass``: a compiled decode step (``RCRConfig.compile``) calls it without a graph break.
+
+The composed torch version (``Detector.evicted_lse_and_scores`` with ``fused=False``) is its reference and the
+path on every other device; the kernel gives the same triggers and selections (tests/rcr/test_fused.py,
+tests/rcr/test_rcr_decision.py). It is built once per machine, on first use, with the C++ compiler that
+torch.compile also uses, into torch's extension cache (``TORCH_EXTENSIONS_DIR``); where it cannot be built, RCR
+decodes with the torch path and a warning says so.
+
+    qr (B, Hkv, G, r) fp32, the rank-r query projections; projected_t (B, Hkv, r, Np) fp32; selection (B, Hkv, S)
+    int64, the resident prefix entries; valid (B, Np) bool or None (no padding); scaling; mean_prob
+    -> lse_ev (B, Hkv, G), the log-sum-exp of the approximate logits over the evicted valid entries (-inf when
+       there are none), and scores (B, Hkv, Np), the candidate scores (-inf on padding)
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "detector_pass.cpp"
+
+
+def _fake(qr, projected_t, selection, valid, scaling, mean_prob):
+    B, H, G, _ = qr.shape
+    return qr.new_empty(B, H, G), qr.new_empty(B, H, projected_t.shape[-1])
+
+
+@functools.cache
+def _extension() -> None:
+    """Build (or find in the cache) and load the library, which registers torch.ops.rcr.detector_pass."""
+    from torch.utils.cpp_extension import load
+
+    cap = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
+    flags = ["-O3"]
+    if cap in ("AVX2", "AVX512"):  # ATen's 8-lane float vectors (its AVX2 build, as Inductor's CPU kernels use)
+        flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    load(name=f"rcr_detector_pass_{cap.lower()}", sources=[str(SOURCE)], extra_cflags=flags,
+         is_python_module=False, verbose=False)
+    torch.library.register_fake("rcr::detector_pass")(_fake)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether torch.ops.rcr.detector_pass is there (building it on first use: about a minute). False, with a
+    warning, where the build fails (no C++ compiler, no writable cache)."""
+    try:
+        _extension()
+    except Exception as exc:  # noqa: BLE001 -- any build failure means the torch path
+        warnings.warn(f"rcr: the fused CPU detector kernel could not be built ({exc!s:.300}); RCR decodes on CPU "
+                      "with the composed torch ops instead (slower, same decisions)", RuntimeWarning, stacklevel=2)
+        return False
+    return True

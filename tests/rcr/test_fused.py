@@ -1,0 +1,143 @@
+"""rcr.fused: RCR's pass over the detector logits as one C++ kernel on CPU gives what the composed torch ops
+give (the path of every other device), and both give the textbook definition: the log-sum-exp of the approximate
+logits over the evicted valid entries, and the candidate scores. End to end, a decode with the kernel makes the
+same decisions as one without it."""
+
+import warnings
+
+import pytest
+import torch
+
+import rcr
+import rcr.fused as F
+from rcr.detector import Detector
+from rcr.methods import parse_method
+from tests import tiny_models
+
+NEG_INF = float("-inf")
+
+
+def definition(qg, det, selection, valid, scaling, how):
+    approx = det.approx_logits(qg, scaling)  # (B, H, G, Np)
+    B, H, _, Np = approx.shape
+    v = torch.ones(B, Np, dtype=torch.bool) if valid is None else valid
+    evicted = v[:, None, :].expand(B, H, Np).clone()
+    evicted.scatter_(2, selection, False)
+    lse_ev = torch.logsumexp(approx.masked_fill(~evicted[:, :, None], NEG_INF), -1)
+    lg = approx.masked_fill(~v[:, None, None], NEG_INF)
+    scores = torch.softmax(lg, -1).nan_to_num(0.0).mean(2) if how == "mean_prob" else lg.amax(2)
+    return lse_ev, scores.masked_fill(~v[:, None], NEG_INF)
+
+
+def case(n_prefix, padded, seed=0, B=3, H=2, G=5, d=16, r=4, S=6, all_resident=False):
+    """Random post-RoPE-like keys and queries; with ``padded``: sample 1 has 10 left-padding entries and sample 2
+    none valid (a batch row with no prefix)."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, n_prefix, d, generator=g) * 2.0
+    qg = torch.randn(B, H, G, d, generator=g)
+    valid = torch.ones(B, n_prefix, dtype=torch.bool)
+    if padded:
+        valid[1, :10] = False
+        valid[2] = False
+    det = Detector.build(keys, valid, r)
+    if all_resident:
+        selection = torch.arange(n_prefix).expand(B, H, n_prefix).contiguous()
+    else:  # S distinct valid entries per (sample, head)
+        selection = torch.stack([torch.stack([torch.randperm(n_prefix - 10, generator=g)[:S] + 10 for _ in range(H)])
+                                 for _ in range(B)]).sort(-1).values
+    return qg, det, selection, (valid if padded else None)
+
+
+@pytest.mark.skipif(not F.available(), reason="the fused kernel could not be built here")
+@pytest.mark.parametrize("how", ["mean_prob", "max_logit"])
+@pytest.mark.parametrize("n_prefix,padded,all_resident", [(37, True, False), (37, False, False), (1000, True, False),
+                                                          (1000, False, False), (24, True, True)],
+                         ids=["odd-padded", "odd", "1k-padded", "1k", "all-resident"])
+def test_kernel_equals_the_torch_ops_and_the_definition(how, n_prefix, padded, all_resident):
+    qg, det, selection, valid = case(n_prefix, padded, all_resident=all_resident)
+    scaling = 16 ** -0.5
+    fused = det.evicted_lse_and_scores(qg, selection, valid, scaling, how, fused=True)
+    composed = det.evicted_lse_and_scores(qg, selection, valid, scaling, how, fused=False)
+    want = definition(qg, det, selection, valid, scaling, how)
+    for got in (fused, composed):
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == torch.float32
+            assert torch.equal(torch.isinf(a), torch.isinf(b))  # -inf exactly where nothing is evicted / padding
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-7)
+    # the decisions taken from them: the candidate top-k
+    k = min(8, n_prefix)
+    assert torch.equal(fused[1].topk(k, -1).indices.sort(-1).values, want[1].topk(k, -1).indices.sort(-1).values)
+    if all_resident:
+        assert torch.isinf(fused[0]).all()
+    if padded:
+        assert torch.isinf(fused[0][2]).all() and torch.isinf(fused[1][2]).all()  # the sample with no prefix
+        assert torch.isinf(fused[1][1, :, :10]).all() and torch.isfinite(fused[1][1, :, 10:]).all()
+
+
+@pytest.mark.skipif(not F.available(), reason="the fused kernel could not be built here")
+def test_kernel_takes_bfloat16_queries_and_rejects_bad_inputs():
+    qg, det, selection, valid = case(50, True)
+    want = det.evicted_lse_and_scores(qg.bfloat16(), selection, valid, 0.25, "mean_prob", fused=False)
+    got = det.evicted_lse_and_scores(qg.bfloat16(), selection, valid, 0.25, "mean_prob", fused=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-7)
+    qr = torch.zeros(3, 2, 5, 4)
+    with pytest.raises(RuntimeError, match="selection must be int64"):
+        torch.ops.rcr.detector_pass(qr, det.projected_t, selection.int(), valid, 0.25, True)
+    with pytest.raises(RuntimeError, match="projected_t must be"):
+        torch.ops.rcr.detector_pass(qr, det.projected_t[:, :1], selection, valid, 0.25, True)
+    with pytest.raises(RuntimeError, match="valid must be bool"):
+        torch.ops.rcr.detector_pass(qr, det.projected_t, selection, valid[:, :3], 0.25, True)
+
+
+@pytest.mark.skipif(not F.available(), reason="the fused kernel could not be built here")
+@pytest.mark.parametrize("label", ["rcr", "fixed"])
+def test_decode_with_the_kernel_makes_the_same_decisions(label):
+    model, proc = tiny_models.qwen2_vl()
+    cfg = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
+    prefix = rcr.prefill(model, tiny_models.batch_inputs(proc, [4, 20], image_size=224), cfg)
+    med = float(torch.tensor(rcr.decode(model, prefix, parse_method("rcr", cfg), 6, eos_token_id=[])
+                             .telemetry.drift).nanmedian())
+    cfg = cfg.replace(tau0=med, fixed_tau=med)
+    runs = {}
+    for fused in (True, False):
+        dec = rcr.Decoder(model, prefix, parse_method(label, cfg.replace(fused_kernel=fused)), 16, eos_token_id=[])
+        assert dec.state.fused is fused
+        dec.run()
+        runs[fused] = dec
+    a, b = runs[True], runs[False]
+    assert torch.equal(a.tokens, b.tokens)
+    ta, tb = a.tel.to_host(), b.tel.to_host()
+    assert (ta.trigger == tb.trigger).all() and (ta.tau == tb.tau).all() and 0 < ta.trigger.mean() < 1
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert torch.equal(la.selection, lb.selection) and torch.equal(la.resident_keys, lb.resident_keys)
+
+
+@pytest.fixture
+def unbuildable(monkeypatch):
+    def fail():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(F, "_extension", fail)
+    F.available.cache_clear()
+    yield
+    monkeypatch.undo()
+    F.available.cache_clear()
+
+
+def test_without_a_compiler_rcr_decodes_with_the_torch_ops(unbuildable):
+    with pytest.warns(RuntimeWarning, match="could not be built.*no C.. compiler"):
+        assert F.available() is False
+    model, proc = tiny_models.qwen2_vl()
+    cfg = rcr.RCRConfig(selected=8, window=8, candidates=32)
+    prefix = rcr.prefill(model, tiny_models.batch_inputs(proc, [6], image_size=112), cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not at every decode
+        dec = rcr.Decoder(model, prefix, parse_method("rcr", cfg), 4, eos_token_id=[])
+    assert dec.state.fused is False
+    dec.run()
+
+
+def test_fused_kernel_field_is_validated():
+    with pytest.raises(rcr.ConfigError, match="fused_kernel"):
+        rcr.RCRConfig(fused_kernel="yes")

@@ -3,11 +3,13 @@
 textcaps answers are short ("A big red plain circle at the top left .") and name 1-2 objects, so the words
 only the image tells (benchmarks/reading_probe.py) are learnt first here, or not at all. Every ``--every`` steps
 the held-out reading accuracy is printed for ``--layout`` and for each ``--also`` layout. ``--boot N`` trains the
-first N steps on ``--boot-layout``'s scenes instead (what jobs/train_embedded.py's curriculum does).
+first N steps on ``--boot-layout``'s scenes instead (what jobs/train_embedded.py's curriculum does), and
+``--ramp M`` then fades ``--layout``'s textured canvas in from flat grey over the next M steps.
 
     python benchmarks/vision_bootstrap.py --layout v1 --steps 400          # the small flat canvas
     python benchmarks/vision_bootstrap.py --layout v4 --steps 400          # v4's textured 448 x 560 canvas
     python benchmarks/vision_bootstrap.py --layout v4 --boot 800 --steps 1000 --also v1
+    python benchmarks/vision_bootstrap.py --layout v4 --boot 600 --ramp 400 --steps 1400 --also v3
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def main(argv=None) -> None:
     ap.add_argument("--also", default="", help="comma-separated layouts also evaluated")
     ap.add_argument("--boot", type=int, default=0, help="the first BOOT steps train on --boot-layout")
     ap.add_argument("--boot-layout", default=T.BOOTSTRAP_LAYOUT, choices=sorted(S.LAYOUTS))
+    ap.add_argument("--ramp", type=int, default=0,
+                    help="after the boot, --layout's canvas strength grows from 0 to 1 over RAMP steps")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--batch", type=int, default=T.BATCH_SIZES["textcaps"])
@@ -54,6 +58,7 @@ def main(argv=None) -> None:
     layouts = [args.layout] + [x for x in args.also.split(",") if x and x != args.layout]
     print(f"size {args.size}, textcaps only, batch {args.batch}, {args.steps} steps"
           + (f", the first {args.boot} on {args.boot_layout}" if args.boot else f" on {args.layout}")
+          + (f", then {args.layout}'s canvas faded in over {args.ramp}" if args.ramp else "")
           + f"; load average {os.getloadavg()[0]:.2f}; held-out accuracy [chance]", flush=True)
     t0 = time.time()
     for step in range(args.steps + 1):
@@ -69,8 +74,9 @@ def main(argv=None) -> None:
         if step == args.steps:
             break
         lay = args.boot_layout if step < args.boot else args.layout
-        batch = builder.build("textcaps", [S.render("textcaps", args.seed, step * 64 + i, layout=lay)
-                                           for i in range(args.batch)])
+        strength = min(1.0, (step - args.boot) / args.ramp) if args.ramp and step >= args.boot else 1.0
+        batch = builder.build("textcaps", [S.render("textcaps", args.seed, step * 64 + i, layout=lay,
+                                                    canvas_strength=strength) for i in range(args.batch)])
         T.optimizer_step(model, opt, batch, T.lr_at(train_args, step))
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import io
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -76,6 +76,9 @@ class SceneLayout:
     # its idle attention on those hundreds of identical entries, a spread-out sink that no selection of 32 holds
     # (benchmarks/attention_profile.py, column `flat`); the objects keep their saturated colours
     textured: bool = False
+    # how far a textured canvas departs from flat grey: 0 is its flat twin, 1 the full texture. Only training
+    # sets it below 1 (jobs/train_embedded.py ramps it up, so that reading learnt on flat grey carries over)
+    canvas_strength: float = 1.0
 
     @property
     def height(self) -> int:
@@ -247,13 +250,15 @@ def _render_grid(rng: np.random.Generator, cells: dict[int, SceneObject], lay: S
         _paint(img, cx, cy, obj, radius, phase=int(rng.integers(8)))
     if lay.textured:  # drawn after the objects, so a v4 scene's objects are its v3 twin's
         empty = (img == np.array(BACKGROUND, dtype=np.uint8)).all(-1)
-        img[empty] = _canvas(rng, img.shape[0], img.shape[1])[empty]
+        img[empty] = _canvas(rng, img.shape[0], img.shape[1], lay.canvas_strength)[empty]
     return img
 
 
-def _canvas(rng: np.random.Generator, height: int, width: int, step: int = 40) -> np.ndarray:
+def _canvas(rng: np.random.Generator, height: int, width: int, strength: float = 1.0,
+            step: int = 40) -> np.ndarray:
     """(H, W, 3) uint8: per channel, grey 128 +- 40 on a coarse grid every ``step`` px, interpolated bilinearly
-    (low saturation: the channels drift apart by at most 80 of 255 before the grain), plus +-10 grain per pixel."""
+    (low saturation: the channels drift apart by at most 80 of 255 before the grain), plus +-10 grain per pixel;
+    the departure from grey scaled by ``strength``. The random draws do not depend on ``strength``."""
     gh, gw = height // step + 2, width // step + 2
     coarse = rng.uniform(88.0, 168.0, size=(gh, gw, 3))
     y = np.arange(height) / step
@@ -263,6 +268,7 @@ def _canvas(rng: np.random.Generator, height: int, width: int, step: int = 40) -
     top = coarse[y0][:, x0] * (1 - fx) + coarse[y0][:, x0 + 1] * fx
     bottom = coarse[y0 + 1][:, x0] * (1 - fx) + coarse[y0 + 1][:, x0 + 1] * fx
     field = top * (1 - fy) + bottom * fy + rng.uniform(-10.0, 10.0, size=(height, width, 3))
+    field = 128.0 + strength * (field - 128.0)
     return np.clip(np.rint(field), 0, 255).astype(np.uint8)
 
 
@@ -374,14 +380,19 @@ def get_layout(name: str) -> SceneLayout:
 
 
 def render(task: str, seed: int, index: int, n_objects: int | None = None,
-           layout: str = DEFAULT_LAYOUT) -> tuple[list[np.ndarray], str]:
+           layout: str = DEFAULT_LAYOUT, canvas_strength: float = 1.0) -> tuple[list[np.ndarray], str]:
     """Frames (uint8 HxWx3 arrays; one for images) and the ground-truth description.
 
     A pure function of its arguments: the same (task, seed, index, layout) always gives the same sample.
-    ``layout`` sets the scene grid of detailcaps and textcaps (video has its own).
+    ``layout`` sets the scene grid of detailcaps and textcaps (video has its own). ``canvas_strength`` (0-1)
+    fades a textured layout's canvas toward flat grey (training's ramp; data and evaluation keep 1).
     """
     check_task(task)
     lay = get_layout(layout)
+    if not 0.0 <= canvas_strength <= 1.0:
+        raise SyntheticError(f"canvas_strength must be in [0, 1], got {canvas_strength}")
+    if canvas_strength != lay.canvas_strength:
+        lay = replace(lay, canvas_strength=float(canvas_strength))
     if seed < 0 or index < 0:
         raise SyntheticError(f"seed and index must be >= 0, got seed={seed} index={index}")
     rng = np.random.default_rng([int(seed), _TASK_CODE[task], int(index)])

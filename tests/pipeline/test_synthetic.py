@@ -143,6 +143,26 @@ def test_v4_is_v3_on_a_textured_canvas(task):
     assert np.array_equal(S.render(task, 3, 3, layout="v4")[0][0], b)  # a pure function of its arguments
 
 
+def test_canvas_strength_fades_v4_toward_its_flat_twin():
+    """Training's texture ramp: strength 0 is v3 exactly, strength 1 is v4, and in between the empty canvas's
+    departure from grey grows with the strength while the objects and the text stay those of the same index."""
+    (v3,), t3 = S.render("detailcaps", 5, 2, layout="v3")
+    (v4,), t4 = S.render("detailcaps", 5, 2, layout="v4")
+    assert np.array_equal(S.render("detailcaps", 5, 2, layout="v4", canvas_strength=0.0)[0][0], v3)
+    assert np.array_equal(S.render("detailcaps", 5, 2, layout="v4", canvas_strength=1.0)[0][0], v4)
+    empty = (v3 == np.array(S.BACKGROUND)).all(-1)
+    dev = []
+    for s in (0.25, 0.5, 0.75):
+        (img,), text = S.render("detailcaps", 5, 2, layout="v4", canvas_strength=s)
+        assert text == t3 == t4 and np.array_equal(img[~empty], v3[~empty])
+        dev.append(np.abs(img[empty].astype(int) - 128).mean())
+    assert dev[0] < dev[1] < dev[2] < np.abs(v4[empty].astype(int) - 128).mean()
+    assert np.array_equal(S.render("textcaps", 1, 0, layout="v3", canvas_strength=0.3)[0][0],
+                          S.render("textcaps", 1, 0, layout="v3")[0][0])  # a flat layout has no canvas to fade
+    with pytest.raises(S.SyntheticError, match="canvas_strength"):
+        S.render("textcaps", 0, 0, layout="v4", canvas_strength=1.5)
+
+
 def test_layouts_keep_video_and_tag_sample_ids():
     assert S.render("video", 0, 3, layout="v1")[1] == S.render("video", 0, 3, layout="v3")[1]
     assert S.make_record("detailcaps", 0, 1, layout="v2")["sample_id"] == "synthetic-v2-detailcaps-s0-0000001"

@@ -179,30 +179,46 @@ def test_training_resumes_exactly(tmp_path):
 
 def test_curriculum_bootstraps_vision_on_the_small_flat_canvas():
     """Steps of the first phases show BOOTSTRAP_LAYOUT's scenes, a middle phase mixes them with --layout's, the
-    rest are all --layout's (jobs/train_embedded.py, CURRICULUM): from scratch on v4 the model never reads."""
+    rest are all --layout's, and --layout's textured canvas fades in from flat grey (jobs/train_embedded.py,
+    CURRICULUM): from scratch on v4 the model never reads, and full texture at once unlearns what v1 taught."""
     n = 1000
     plans = [T.batch_plan(0, s, n, 1.0, "v4") for s in range(n)]
     assert plans == [T.batch_plan(0, s, n, 1.0, "v4") for s in range(n)]  # a pure function: resumes see the same
     assert T.CURRICULUM[0][3] == 0.0 and T.CURRICULUM[-1][3] == 1.0
     assert any(0 < c[3] < 1 for c in T.CURRICULUM)
     lo = 0.0
-    for until, _, _, share in T.CURRICULUM:
-        on_target = [lay == "v4" for step, (_, lay, _) in enumerate(plans) if lo <= step / n < until]
+    for until, _, _, share, _ in T.CURRICULUM:
+        on_target = [lay == "v4" for step, (_, lay, _, _) in enumerate(plans) if lo <= step / n < until]
         if share in (0.0, 1.0):  # a pure phase never shows the other canvas
             assert set(on_target) == {bool(share)}, until
         else:
             assert abs(np.mean(on_target) - share) < 0.15, (until, np.mean(on_target), share)
         lo = until
-    for _, lay, items in plans:  # object counts fit the scene they are drawn on
+    for _, lay, items, _ in plans:  # object counts fit the scene they are drawn on
         cells = S.get_layout(lay).rows * S.get_layout(lay).cols
         assert all(n_obj is None or 1 <= n_obj <= cells for _, _, n_obj in items)
-    # the batches are drawn on the planned layout: v1 is 24 x 24 patches, v4 40 x 32
+    # the canvas: --layout's first scenes are flat (v3's twin), its strength never falls, and ends at full
+    ramp = [(step, strength) for step, (_, lay, _, strength) in enumerate(plans) if lay == "v4"]
+    strengths = [x for _, x in ramp]
+    assert strengths[0] < 0.01 and strengths == sorted(strengths) and strengths[-1] == 1.0
+    assert 0.1 * n < next(step for step, x in ramp if x == 1.0) - ramp[0][0]  # faded in over many steps
+    assert all(x == 1.0 for _, lay, _, x in plans if lay != "v4")
+    # the batches are drawn on the planned layout (v1 is 24 x 24 patches, v4 40 x 32) at the planned strength
     builder = T.BatchBuilder(T.build_processor(T.build_tokenizer()))
     grids = {}
-    for step in (next(i for i, p in enumerate(plans) if p[0] == "textcaps"),
-                 next(i for i, p in enumerate(plans) if p[0] == "textcaps" and p[1] == "v4")):
+    first_tc_v4 = next(i for i, p in enumerate(plans) if p[0] == "textcaps" and p[1] == "v4")
+    mid_ramp = next(i for i, p in enumerate(plans) if p[0] == "textcaps" and p[1] == "v4" and 0.3 < p[3] < 0.7)
+    for step in (next(i for i, p in enumerate(plans) if p[0] == "textcaps"), first_tc_v4, mid_ramp):
         _, batch = T.make_batch(builder, 0, step, n, 0.25, "v4")
         grids[plans[step][1]] = batch["image_grid_thw"][0].tolist()
+        if step == mid_ramp:
+            seed, idx, _ = plans[step][2][0]
+            want = builder.build("textcaps", [S.render("textcaps", seed, idx, layout="v4",
+                                                       canvas_strength=plans[step][3])])
+            full = builder.build("textcaps", [S.render("textcaps", seed, idx, layout="v4")])
+            n0 = want["pixel_values"].shape[0]
+            assert torch.equal(batch["pixel_values"][:n0], want["pixel_values"])
+            assert not torch.equal(batch["pixel_values"][:n0], full["pixel_values"])
     assert grids == {T.BOOTSTRAP_LAYOUT: [1, 24, 24], "v4": [1, 40, 32]}
     # a run on the bootstrap layout itself never leaves it
     assert {T.batch_plan(0, s, n, 1.0, "v1")[1] for s in range(n)} == {"v1"}
@@ -216,6 +232,8 @@ def test_resume_refuses_a_checkpoint_of_another_curriculum(tmp_path, monkeypatch
     with pytest.raises(SystemExit, match="another curriculum"):
         T.main(common)
     assert not (tmp_path / "model").exists()
+    T.main(common + ["--export", str(tmp_path / "peek")])  # its weights can still be looked at
+    assert (tmp_path / "peek" / "model.safetensors").exists()
 
 def _rotary_rates(model) -> dict[str, torch.Tensor]:
     """Rad per step of each rotary pair (head_dim/2,) when only time, row or column moves, and along text

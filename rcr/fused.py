@@ -16,6 +16,7 @@ decodes with the torch path and a warning says so.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from pathlib import Path
 
@@ -32,14 +33,18 @@ def _fake(qr, projected_t, selection, valid, scaling, mean_prob):
 @functools.cache
 def _extension() -> None:
     """Build (or find in the cache) and load the library, which registers torch.ops.rcr.detector_pass."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     cap = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     flags = ["-O3"]
     if cap in ("AVX2", "AVX512"):  # ATen's 8-lane float vectors (its AVX2 build, as Inductor's CPU kernels use)
         flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    load(name=f"rcr_detector_pass_{cap.lower()}", sources=[str(SOURCE)], extra_cflags=flags,
-         is_python_module=False, verbose=False)
+    name = f"rcr_detector_pass_{cap.lower()}"
+    built = Path(_get_build_directory(name, False)) / f"{name}.so"
+    if not built.exists() or built.stat().st_mtime < SOURCE.stat().st_mtime:
+        print(f"rcr: building the fused CPU detector kernel {name} (once per machine and source; about a minute)",
+              file=sys.stderr, flush=True)
+    load(name=name, sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=False)
     torch.library.register_fake("rcr::detector_pass")(_fake)
 
 

@@ -122,7 +122,11 @@ std::tuple<at::Tensor, at::Tensor> detector_pass(const at::Tensor& qr_in, const 
       for (int64_t n = 0; n < Npad; ++n) bias[n] = (n < Np && (vd == nullptr || vd[b * Np + n])) ? 0.f : kNegInf;
       std::fill(evicted.begin(), evicted.end(), 0.f);
       std::fill(evicted.begin(), evicted.begin() + Np, 1.f);
-      for (int64_t j = 0; j < S; ++j) evicted[sd[bh * S + j]] = 0.f;
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t n = sd[bh * S + j];
+        TORCH_CHECK(n >= 0 && n < Np, "rcr::detector_pass: selection index ", n, " outside the prefix [0, ", Np, ")");
+        evicted[n] = 0.f;
+      }
       std::fill(vmax.begin(), vmax.end(), Vec(kNegInf));
       float* out_scores = so + bh * Np;
 

@@ -88,6 +88,8 @@ def test_kernel_takes_bfloat16_queries_and_rejects_bad_inputs():
         torch.ops.rcr.detector_pass(qr, det.projected_t[:, :1], selection, valid, 0.25, True)
     with pytest.raises(RuntimeError, match="valid must be bool"):
         torch.ops.rcr.detector_pass(qr, det.projected_t, selection, valid[:, :3], 0.25, True)
+    with pytest.raises(RuntimeError, match="selection index 50 outside the prefix"):
+        torch.ops.rcr.detector_pass(qr, det.projected_t, selection.clamp_min(50), valid, 0.25, True)
 
 
 @pytest.mark.skipif(not F.available(), reason="the fused kernel could not be built here")

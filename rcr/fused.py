@@ -16,11 +16,14 @@ decodes with the torch path and a warning says so.
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+
+from .fileio import atomic_write_bytes
 
 SOURCE = Path(__file__).with_name("csrc") / "detector_pass.cpp"
 
@@ -32,19 +35,28 @@ def _fake(qr, projected_t, selection, valid, scaling, mean_prob):
 
 @functools.cache
 def _extension() -> None:
-    """Build (or find in the cache) and load the library, which registers torch.ops.rcr.detector_pass."""
+    """Build (or find in the cache) and load the library, which registers torch.ops.rcr.detector_pass.
+
+    The library is named after a hash of its source and flags, and built from a copy of the source kept in its
+    own build directory: two checkouts of the same source share one build instead of rebuilding each other's
+    (ninja rebuilds when a source path changes), and an edited source gets a build of its own."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
     cap = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     flags = ["-O3"]
     if cap in ("AVX2", "AVX512"):  # ATen's 8-lane float vectors (its AVX2 build, as Inductor's CPU kernels use)
         flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    name = f"rcr_detector_pass_{cap.lower()}"
-    built = Path(_get_build_directory(name, False)) / f"{name}.so"
-    if not built.exists() or built.stat().st_mtime < SOURCE.stat().st_mtime:
-        print(f"rcr: building the fused CPU detector kernel {name} (once per machine and source; about a minute)",
+    code = SOURCE.read_bytes()
+    name = f"rcr_detector_pass_{hashlib.sha256(code + repr(flags).encode()).hexdigest()[:12]}"
+    build = Path(_get_build_directory(name, False))
+    build.mkdir(parents=True, exist_ok=True)
+    src = build / SOURCE.name
+    if not src.exists() or src.read_bytes() != code:
+        atomic_write_bytes(code, src)
+    if not (build / f"{name}.so").exists():
+        print(f"rcr: building the fused CPU detector kernel (once per machine; about a minute) in {build}",
               file=sys.stderr, flush=True)
-    load(name=name, sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=False)
+    load(name=name, sources=[str(src)], extra_cflags=flags, is_python_module=False, verbose=False)
     torch.library.register_fake("rcr::detector_pass")(_fake)
 
 

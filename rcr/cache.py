@@ -49,6 +49,7 @@ class PrefixStore:
     head_dim: int
     offloaded: bool = False  # per-layer keys/values live in host memory (deployment mode); the rest stays
     _host: PrefixStore | None = field(default=None, repr=False, compare=False)
+    _kv: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # prefix_kv's views, per layer
 
     def to_host(self, pin: bool | None = None) -> PrefixStore:
         """This store with every layer's keys/values in CPU memory (deployment mode). ``pin``: page-locked
@@ -91,8 +92,11 @@ class PrefixStore:
         return (~self.valid).sum(-1)
 
     def prefix_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pl = self.layers[layer]
-        return pl.keys[:, :, : self.n_prefix], pl.values[:, :, : self.n_prefix]
+        """(B, Hkv, Np, d) views of the layer's prefix keys and values (made once: a decode asks every layer-step)."""
+        if layer not in self._kv:
+            pl = self.layers[layer]
+            self._kv[layer] = (pl.keys[:, :, : self.n_prefix], pl.values[:, :, : self.n_prefix])
+        return self._kv[layer]
 
 
 def gather_heads(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -133,7 +137,7 @@ class ResidentLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, prefix: PrefixStore, layer: int, selection: torch.Tensor, max_new_tokens: int,
-                 static: bool = False):
+                 static: bool = False, fused: bool = False):
         super().__init__()
         pl = prefix.layers[layer]
         B, H, N, d = pl.keys.shape
@@ -146,6 +150,9 @@ class ResidentLayer(CacheLayerMixin):
         self.padded = not bool(prefix.valid.all())
         cap = S + W + max_new_tokens
         self.static = static
+        # refresh as row copies by the fused CPU op (rcr.fused, built and checked by the caller): eager only; a
+        # static (compiled) step keeps the torch.where merge, which the compiler fuses
+        self.fused_merge = fused and not static
         # zeros, not garbage: a static step still computes q.k on unwritten (masked) slots, and a NaN there
         # would survive the mask
         self.keys = pl.keys.new_zeros(B, H, cap, d)  # (B, Hkv, cap, d)
@@ -239,6 +246,11 @@ class ResidentLayer(CacheLayerMixin):
         entries' contents when the caller already brought them to the device (offload reads); otherwise they
         are gathered from the prefix store."""
         S = self.n_selected
+        if keys is None and values is None and self.fused_merge:  # copies only the rows that fired, in place
+            k_p, v_p = self.prefix.prefix_kv(self.layer_idx)
+            torch.ops.rcr.merge_rows(self.keys, self.values, self.slot_valid, self.selection, trigger, selection,
+                                     k_p, v_p, self.prefix.prefix_valid if self.padded else None)
+            return
         if keys is None or values is None:
             k_p, v_p = self.prefix.prefix_kv(self.layer_idx)
             keys = gather_heads(k_p, selection) if keys is None else keys

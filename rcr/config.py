@@ -85,8 +85,9 @@ class RCRConfig:
     # "default", "reduce-overhead" (CUDA graphs on a GPU) or "max-autotune"; or "eager" / "aot_eager",
     # torch's debugging backends (trace and check the graph, no code generation).
     compile: str | None = None
-    # RCR's pass over the detector logits (rcr, fixed, rcr_layer) as one C++ kernel on CPU (rcr/fused.py), built
-    # on first use; False = the composed torch ops, which other devices always use. The same decisions either way.
+    # On CPU (rcr/fused.py, built on first use): RCR's pass over the detector logits (rcr, fixed, rcr_layer) as one
+    # C++ kernel, an eager layer-step's whole decision as one C++ op, and a re-selecting method's merge as row
+    # copies. False = the composed torch ops, which other devices always use. The same decisions either way.
     fused_kernel: bool = True
     extra: dict = field(default_factory=dict, compare=False)  # free-form notes, logged with the config
 

@@ -1,12 +1,18 @@
-"""RCR's detector pass as one fused CPU kernel (``rcr/csrc/detector_pass.cpp``), the torch op
-``torch.ops.rcr.detector_pass``: a compiled decode step (``RCRConfig.compile``) calls it without a graph break.
+"""RCR's decode-time work as fused CPU ops (``rcr/csrc/``), registered as torch ops:
 
-The composed torch version (``Detector.evicted_lse_and_scores`` with ``fused=False``) is its reference and the
-path on every other device; the kernel gives the same triggers and selections (tests/rcr/test_fused.py,
-tests/rcr/test_rcr_decision.py). It is built once per machine, on first use, with the C++ compiler that
-torch.compile also uses, into torch's extension cache (``TORCH_EXTENSIONS_DIR``); where it cannot be built, RCR
-decodes with the torch path and a warning says so.
+- ``torch.ops.rcr.detector_pass`` (``detector_pass.cpp``): the pass over the detector logits in one kernel. A
+  compiled decode step (``RCRConfig.compile``) calls it without a graph break.
+- ``torch.ops.rcr.decide`` (``decide.cpp``): an eager layer-step's whole decision (``RCR.decide`` with the
+  resident reader), the same ATen ops in the same order without the Python between them.
+- ``torch.ops.rcr.merge_rows`` (``decide.cpp``): the masked merge of a re-selection (``ResidentLayer.refresh``) as
+  row copies where the trigger fired.
 
+The composed torch versions are their references and the path on every other device; the ops give the same
+triggers and selections (tests/rcr/test_fused.py, tests/rcr/test_rcr_decision.py). They are built once per
+machine, on first use, with the C++ compiler that torch.compile also uses, into torch's extension cache
+(``TORCH_EXTENSIONS_DIR``); where they cannot be built, RCR decodes with the torch path and a warning says so.
+
+detector_pass:
     qr (B, Hkv, G, r) fp32, the rank-r query projections; projected_t (B, Hkv, r, Np) fp32; selection (B, Hkv, S)
     int64, the resident prefix entries; valid (B, Np) bool or None (no padding); scaling; mean_prob
     -> lse_ev (B, Hkv, G), the log-sum-exp of the approximate logits over the evicted valid entries (-inf when
@@ -25,7 +31,8 @@ import torch
 
 from .fileio import atomic_write_bytes
 
-SOURCE = Path(__file__).with_name("csrc") / "detector_pass.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("detector_pass.cpp", "decide.cpp")  # compiled; detector_pass.h is included by both
 
 
 def _fake(qr, projected_t, selection, valid, scaling, mean_prob):
@@ -35,9 +42,9 @@ def _fake(qr, projected_t, selection, valid, scaling, mean_prob):
 
 @functools.cache
 def _extension() -> None:
-    """Build (or find in the cache) and load the library, which registers torch.ops.rcr.detector_pass.
+    """Build (or find in the cache) and load the library, which registers the torch.ops.rcr ops.
 
-    The library is named after a hash of its source and flags, and built from a copy of the source kept in its
+    The library is named after a hash of its sources and flags, and built from a copy of the sources kept in its
     own build directory: two checkouts of the same source share one build instead of rebuilding each other's
     (ninja rebuilds when a source path changes), and an edited source gets a build of its own."""
     from torch.utils.cpp_extension import _get_build_directory, load
@@ -45,29 +52,31 @@ def _extension() -> None:
     cap = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     flags = ["-O3"]
     if cap in ("AVX2", "AVX512"):  # ATen's 8-lane float vectors (its AVX2 build, as Inductor's CPU kernels use)
-        flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    code = SOURCE.read_bytes()
-    name = f"rcr_detector_pass_{hashlib.sha256(code + repr(flags).encode()).hexdigest()[:12]}"
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    files = {f: (CSRC / f).read_bytes() for f in (*SOURCES, "detector_pass.h")}
+    digest = hashlib.sha256(b"".join(f.encode() + code for f, code in files.items()) + repr(flags).encode())
+    name = f"rcr_ops_{digest.hexdigest()[:12]}"
     build = Path(_get_build_directory(name, False))
     build.mkdir(parents=True, exist_ok=True)
-    src = build / SOURCE.name
-    if not src.exists() or src.read_bytes() != code:
-        atomic_write_bytes(code, src)
+    for f, code in files.items():
+        if not (build / f).exists() or (build / f).read_bytes() != code:
+            atomic_write_bytes(code, build / f)
     if not (build / f"{name}.so").exists():
-        print(f"rcr: building the fused CPU detector kernel (once per machine; about a minute) in {build}",
+        print(f"rcr: building the fused CPU kernels (once per machine; about a minute) in {build}",
               file=sys.stderr, flush=True)
-    load(name=name, sources=[str(src)], extra_cflags=flags, is_python_module=False, verbose=False)
+    load(name=name, sources=[str(build / f) for f in SOURCES], extra_cflags=flags, is_python_module=False,
+         verbose=False)
     torch.library.register_fake("rcr::detector_pass")(_fake)
 
 
 @functools.cache
 def available() -> bool:
-    """Whether torch.ops.rcr.detector_pass is there (building it on first use: about a minute). False, with a
+    """Whether the torch.ops.rcr ops are there (building them on first use: about a minute). False, with a
     warning, where the build fails (no C++ compiler, no writable cache)."""
     try:
         _extension()
     except Exception as exc:  # noqa: BLE001 -- any build failure means the torch path
-        warnings.warn(f"rcr: the fused CPU detector kernel could not be built ({exc!s:.300}); RCR decodes on CPU "
+        warnings.warn(f"rcr: the fused CPU kernels could not be built ({exc!s:.300}); RCR decodes on CPU "
                       "with the composed torch ops instead (slower, same decisions)", RuntimeWarning, stacklevel=2)
         return False
     return True

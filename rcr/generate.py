@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .attention import attend, rcr_attention_enabled
 from .cache import PrefixLayer, PrefixStore, ResidentCache, ResidentLayer
 from .config import ConfigError, RCRConfig
+from .fused import available as fused_kernels_available
 from .methods import BuildContext, Full, Method, StepContext, parse_method
 from .models import adapter_for, geometry
 from .offload import HostReader, ResidentReader
@@ -146,8 +147,11 @@ def build_cache(method: Method, prefix: PrefixStore, max_new_tokens: int,
                 reference_scores: list[torch.Tensor] | None = None, static: bool = False) -> ResidentCache:
     ctx = BuildContext(prefix=prefix, config=method.config, reference_scores=reference_scores)
     whole = Full(config=method.config)  # a windowed layer keeps every prefix entry (docs/models.md)
+    # a re-selecting method's merge as row copies on CPU (rcr.fused; built on first use, so only where it is used)
+    fused = (method.reselects and method.config.fused_kernel and prefix.valid.device.type == "cpu"
+             and fused_kernels_available())
     layers = [ResidentLayer(prefix, i, (method if pl.sliding_window is None else whole).initial_selection(ctx, i),
-                            max_new_tokens, static)
+                            max_new_tokens, static, fused)
               for i, pl in enumerate(prefix.layers)]  # in layer order: BACON's trace reads earlier layers
     return ResidentCache(layers)
 

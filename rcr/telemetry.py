@@ -27,15 +27,18 @@ class Telemetry:
         def buf(dtype=torch.float32, fill=0.0):
             return torch.full((batch, layers, steps), fill, dtype=dtype, device=device)
 
-        self.drift = buf(fill=float("nan"))  # estimated drift (NaN: method has no detector)
-        self.tau = buf(fill=float("nan"))
-        self.trigger = buf()
+        # the fields of FIELDS_FLOAT are views of one (F, B, L, T) buffer: a layer-step's decision is one write
+        self.decisions = torch.zeros((len(FIELDS_FLOAT), batch, layers, steps), device=device)
+        for i, name in enumerate(FIELDS_FLOAT):
+            setattr(self, name, self.decisions[i])
+        self.drift.fill_(float("nan"))  # estimated drift (NaN: method has no detector)
+        self.tau.fill_(float("nan"))
         for layer, selects in enumerate(reselected or []):
             if not selects:
                 self.trigger[:, layer] = float("nan")
-        self.keys_read = buf()
-        self.values_read = buf()
-        self.detector_dots = buf()
+        # what a decision without drift, tau or detector records: the fields' initial values
+        self._nan = torch.full((batch,), float("nan"), device=device)
+        self._zero = torch.zeros(batch, device=device)
         self.drift_exact = buf(fill=float("nan")) if exact_drift else None
         self.top_prefix_pos = buf(torch.int32, -1) if record_attention else None
         # bytes of prefix keys/values copied from host memory to the device, per sample (all KV heads):
@@ -54,17 +57,17 @@ class Telemetry:
         """One layer-step's ``Decision``; ``cost`` is the method's cost model (reads per refresh)."""
         trig = d.trigger.float()
         frac = trig.mean(-1) if trig.dim() == 2 else trig  # (B,)
-        self.put(self.trigger, layer, step, frac)
-        self.put(self.keys_read, layer, step,
-                 frac * cost["keys_per_refresh"] if d.keys_read is None else d.keys_read)
-        self.put(self.values_read, layer, step,
-                 frac * cost["values_per_refresh"] if d.values_read is None else d.values_read)
-        if d.drift is not None:
-            self.put(self.drift, layer, step, d.drift)
-        if d.tau is not None:
-            self.put(self.tau, layer, step, d.tau)
-        if d.detector_dots is not None:
-            self.put(self.detector_dots, layer, step, d.detector_dots)
+        row = torch.stack([  # (F, B) in FIELDS_FLOAT order
+            self._nan if d.drift is None else d.drift,
+            self._nan if d.tau is None else d.tau,
+            frac,
+            frac * cost["keys_per_refresh"] if d.keys_read is None else d.keys_read,
+            frac * cost["values_per_refresh"] if d.values_read is None else d.values_read,
+            self._zero if d.detector_dots is None else d.detector_dots])
+        if isinstance(step, torch.Tensor):
+            self.decisions[:, :, layer].index_copy_(2, step, row.unsqueeze(-1))
+        else:
+            self.decisions[:, :, layer, step] = row
 
     def to_host(self) -> HostTelemetry:
         names = FIELDS_FLOAT + ("drift_exact", "top_prefix_pos")

@@ -16,7 +16,7 @@ def family(request):
 
 @pytest.fixture(scope="session", autouse=True)
 def fused_kernel():
-    """Build RCR's fused CPU kernel once, up front (about a minute on a fresh machine; cached after that), rather
+    """Build RCR's fused CPU kernels once, up front (about a minute on a fresh machine; cached after that), rather
     than inside whichever test first decodes with rcr; a failed build warns and the torch path is tested."""
     return rcr.fused.available()
 

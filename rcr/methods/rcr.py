@@ -5,11 +5,13 @@ Per decode layer-step, before attention, with the current post-RoPE query q:
 1. drift = attention mass on evicted prefix entries, with approximate logits (rank-r detector) for the
    evicted and exact logits for the resident entries: sigmoid(LSE(z~_evicted) - LSE(z_resident)),
    averaged over the G query heads and the KV heads of the layer. The one pass over the detector logits
-   (``Detector.evicted_lse_and_scores``) also gives the candidate scores; on CPU it is a fused C++ kernel.
+   (``Detector.evicted_lse_and_scores``) also gives the candidate scores; on CPU it is a fused C++ kernel, and an
+   eager layer-step runs steps 1-3 as one C++ op (``rcr.fused``).
 2. trigger = drift > tau.
 3. Candidates, computed in every layer: the detector's top-C prefix entries (kept and evicted alike),
    re-scored exactly with their keys; the top S are the new selection (C key + S value reads).
-4. The base merges under the trigger with torch.where; tau is updated by the rate controller.
+4. The base merges under the trigger with torch.where (on CPU, eagerly: row copies where it fired,
+   ``ResidentLayer.refresh``); tau is updated by the rate controller.
 
 Prefix keys and values are read only through ``ctx.reader`` (``rcr.offload``): in GPU-only mode the reads are
 issued every layer-step and the merge is masked; in offload mode (``config.offload``) the host sees the
@@ -34,7 +36,7 @@ from .base import Decision, Method, StepContext
 class RCRState:
     detectors: list[Detector]  # one per layer
     tau: torch.Tensor  # (B,) shared by all layers of a sample, or (B, L) per layer
-    n_valid_prefix: torch.Tensor  # (B,) valid prefix entries, for the detector cost counter
+    detector_dots: torch.Tensor  # (B,) the detector's cost per layer-step: valid prefix entries x rank / head dim
     fused: bool = False  # the detector pass runs as rcr.fused's CPU kernel
 
 
@@ -59,8 +61,8 @@ class RCR(Method):
             dets.append(Detector.build(k_p, prefix.prefix_valid, self.config.rank))
         # decided here, outside the (possibly compiled) decode step
         fused = self.config.fused_kernel and prefix.valid.device.type == "cpu" and fused_kernel_available()
-        return RCRState(detectors=dets, tau=self.initial_tau(prefix),
-                        n_valid_prefix=prefix.prefix_valid.sum(-1).float(), fused=fused)
+        dots = prefix.prefix_valid.sum(-1).float() * (dets[0].rank / prefix.head_dim)
+        return RCRState(detectors=dets, tau=self.initial_tau(prefix), detector_dots=dots, fused=fused)
 
     def initial_tau(self, prefix) -> torch.Tensor:
         return self.controller.init(self.tau_shape(prefix), prefix.valid.device)
@@ -76,10 +78,22 @@ class RCR(Method):
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
         det = st.detectors[ctx.layer]
         qg = group_queries(ctx.query, p.n_kv_heads)  # (B, Hkv, G, d)
-        valid_p = p.prefix_valid.unsqueeze(1)  # (B, 1, Np)
         padded = res.padded  # masks only where the batch has left padding: otherwise every entry is valid
+        if st.fused and not ctx.reader.offload and not torch.compiler.is_compiling():
+            # steps 1-3 below as one op (rcr/csrc/decide.cpp): the same computation in plain loops, without the
+            # ~100 torch calls; the candidates and the selection are still chosen by topk
+            tau = self.current_tau(st, ctx.layer).clone()
+            k_p, _ = p.prefix_kv(ctx.layer)
+            trigger, f, drift, sel = torch.ops.rcr.decide(
+                qg, det.basis, det.projected_t, res.resident_keys, res.resident_valid if res.slots_masked else None,
+                res.selection, p.prefix_valid if padded else None, k_p, tau, p.scaling,
+                cfg.head_reduction == "mean_prob", cfg.controller_signal == "heads", cfg.candidates, res.n_selected)
+            self.update_tau(st, ctx.layer, f)
+            # keys and values None: the merge copies the selected rows from the prefix store
+            return Decision(selection=sel, trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots)
 
         # 1. estimated drift: exact on resident slots, approximate on evicted prefix entries
+        valid_p = p.prefix_valid.unsqueeze(1)  # (B, 1, Np)
         lg_res = logits(qg, res.resident_keys, p.scaling)  # (B, Hkv, G, n)
         lse_res = masked_lse(lg_res, res.resident_valid) if res.slots_masked else torch.logsumexp(lg_res, dim=-1)
         lse_ev, scores = det.evicted_lse_and_scores(qg, res.selection, p.prefix_valid if padded else None,
@@ -95,8 +109,7 @@ class RCR(Method):
         # controller: f is the layer's realised refresh (fraction of KV heads in "heads" mode)
         f = trigger.float().mean(-1) if trigger.dim() == 2 else trigger.float()
         self.update_tau(st, ctx.layer, f)
-        dots = st.n_valid_prefix * (det.rank / p.head_dim)
-        common = dict(trigger=trigger, drift=drift, tau=tau, detector_dots=dots)
+        common = dict(trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots)
 
         # 3. candidates: detector top-C over the whole prefix, exact re-scoring, keep top S
         n_cand = min(cfg.candidates, p.n_prefix)

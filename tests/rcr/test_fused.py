@@ -1,8 +1,10 @@
 """rcr.fused: RCR's pass over the detector logits as one C++ kernel on CPU gives what the composed torch ops
 give (the path of every other device), and both give the textbook definition: the log-sum-exp of the approximate
-logits over the evicted valid entries, and the candidate scores. End to end, a decode with the kernel makes the
-same decisions as one without it."""
+logits over the evicted valid entries, and the candidate scores. The merge as row copies equals the masked torch
+merge. End to end, a decode with the ops (the kernel, the whole-decision op and the merge) makes the same
+decisions as one without them; tests/rcr/test_rcr_decision.py checks every decision against a frozen reference."""
 
+import copy
 import warnings
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 import rcr
 import rcr.fused as F
+from rcr.cache import ResidentLayer
 from rcr.detector import Detector
 from rcr.methods import parse_method
 from tests import tiny_models
@@ -93,9 +96,12 @@ def test_kernel_takes_bfloat16_queries_and_rejects_bad_inputs():
 
 
 @pytest.mark.skipif(not F.available(), reason="the fused kernel could not be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("label", ["rcr", "fixed"])
-def test_decode_with_the_kernel_makes_the_same_decisions(label):
+def test_decode_with_the_kernel_makes_the_same_decisions(label, dtype):
+    """rcr::decide and rcr::merge_rows (an eager CPU decode) against the torch path, in fp32 and in bf16 keys."""
     model, proc = tiny_models.qwen2_vl()
+    model = copy.deepcopy(model).to(dtype)  # a copy: the cached tiny model is shared with other tests
     cfg = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
     prefix = rcr.prefill(model, tiny_models.batch_inputs(proc, [4, 20], image_size=224), cfg)
     med = float(torch.tensor(rcr.decode(model, prefix, parse_method("rcr", cfg), 6, eos_token_id=[])
@@ -104,15 +110,73 @@ def test_decode_with_the_kernel_makes_the_same_decisions(label):
     runs = {}
     for fused in (True, False):
         dec = rcr.Decoder(model, prefix, parse_method(label, cfg.replace(fused_kernel=fused)), 16, eos_token_id=[])
-        assert dec.state.fused is fused
+        assert dec.state.fused is fused and all(layer.fused_merge is fused for layer in dec.cache.layers)
         dec.run()
         runs[fused] = dec
     a, b = runs[True], runs[False]
     assert torch.equal(a.tokens, b.tokens)
     ta, tb = a.tel.to_host(), b.tel.to_host()
     assert (ta.trigger == tb.trigger).all() and (ta.tau == tb.tau).all() and 0 < ta.trigger.mean() < 1
+    torch.testing.assert_close(torch.from_numpy(ta.drift), torch.from_numpy(tb.drift), rtol=1e-5, atol=1e-7,
+                               equal_nan=True)
     for la, lb in zip(a.cache.layers, b.cache.layers):
         assert torch.equal(la.selection, lb.selection) and torch.equal(la.resident_keys, lb.resident_keys)
+        assert torch.equal(la.resident_values, lb.resident_values) and torch.equal(la.resident_valid, lb.resident_valid)
+
+
+@pytest.mark.skipif(not F.available(), reason="the fused kernel could not be built here")
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_layer", "per_head"])
+def test_merge_rows_equals_the_masked_torch_merge(per_head):
+    """ResidentLayer.refresh as row copies (rcr::merge_rows) against its torch.where merge, on a left-padded batch
+    whose new selections include padding entries; rows that did not fire are left as they were."""
+    model, proc = tiny_models.qwen2_vl()
+    prefix = rcr.prefill(model, tiny_models.batch_inputs(proc, [4, 20], image_size=112), rcr.RCRConfig(window=4))
+    g = torch.Generator().manual_seed(0)
+    B, H, Np = prefix.batch_size, prefix.n_kv_heads, prefix.n_prefix
+    assert not prefix.prefix_valid.all()
+    layers = {}
+    for fused in (True, False):
+        initial = torch.arange(6).expand(B, H, 6).contiguous()
+        layers[fused] = ResidentLayer(prefix, 0, initial, 4, fused=fused)
+        assert layers[fused].fused_merge is fused and layers[fused].padded
+    for _ in range(3):
+        trigger = torch.rand((B, H) if per_head else (B,), generator=g) > 0.4
+        sel = torch.stack([torch.randperm(Np, generator=g)[:6].sort().values for _ in range(B * H)]).view(B, H, 6)
+        for layer in layers.values():
+            layer.refresh(trigger, sel)
+    a, b = layers[True], layers[False]
+    for name in ("keys", "values", "slot_valid", "selection"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert not torch.equal(a.selection, torch.arange(6).expand(B, H, 6))  # something was merged
+
+
+@pytest.mark.skipif(not F.available(), reason="the fused kernel could not be built here")
+def test_decide_and_merge_rows_reject_bad_inputs():
+    qg, det, selection, valid = case(50, True)
+    B, H, _, d = qg.shape
+    keys = torch.randn(B, H, 50, d)
+    args = dict(qg=qg, basis=det.basis, projected_t=det.projected_t, resident_keys=keys[:, :, :12],
+                resident_valid=None, selection=selection, valid=valid, prefix_keys=keys, tau=torch.zeros(B),
+                scaling=0.25, mean_prob=True, per_head=False, n_candidates=16, n_selected=6)
+    trigger, f, drift, sel = torch.ops.rcr.decide(**args)
+    assert trigger.shape == f.shape == drift.shape == (B,) and sel.shape == (B, H, 6) and sel.dtype == torch.long
+    assert (sel.diff(dim=-1) > 0).all()  # ascending positions
+    bad = {"prefix_keys must be": dict(prefix_keys=keys[:, :, :40]), "tau must be": dict(tau=torch.zeros(B + 1)),
+           "basis must be": dict(basis=det.basis.double()), "n_selected must be": dict(n_selected=17),
+           "resident_keys must be": dict(resident_keys=keys[:, :, :12].double())}
+    for msg, change in bad.items():
+        with pytest.raises(RuntimeError, match=msg):
+            torch.ops.rcr.decide(**{**args, **change})
+    buf = torch.zeros(B, H, 20, d)
+    merge = dict(keys=buf, values=buf.clone(), slot_valid=torch.ones(B, H, 20, dtype=torch.bool),
+                 selection=selection.clone(), trigger=torch.ones(B, dtype=torch.bool), new_selection=selection,
+                 prefix_keys=keys, prefix_values=keys, prefix_valid=valid)
+    for msg, change in {"outside the prefix": dict(new_selection=selection + 50),
+                        "dtypes differ": dict(prefix_keys=keys.double()),
+                        "trigger must be": dict(trigger=torch.ones(B + 1, dtype=torch.bool)),
+                        "must be int64": dict(new_selection=selection.int())}.items():
+        with pytest.raises(RuntimeError, match=msg):
+            torch.ops.rcr.merge_rows(**{**merge, **change})
 
 
 @pytest.fixture

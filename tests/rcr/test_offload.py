@@ -37,8 +37,10 @@ def test_offload_and_resident_modes_give_identical_outputs(qwen, signal):
         a, b = res[m], off[m]
         assert b.offload and not a.offload
         assert torch.equal(a.sequences, b.sequences), m
-        for f in ("trigger", "tau", "drift", "keys_read", "values_read"):
+        for f in ("trigger", "tau", "keys_read", "values_read"):
             np.testing.assert_array_equal(getattr(a.telemetry, f), getattr(b.telemetry, f), err_msg=f"{m}/{f}")
+        # equal to rounding: on CPU resident mode decides in one C++ op (rcr.fused), offload mode with torch ops
+        np.testing.assert_allclose(a.telemetry.drift, b.telemetry.drift, rtol=1e-5, atol=1e-7, err_msg=f"{m}/drift")
         trig = b.telemetry.trigger  # fraction of the layer's KV heads that fired
         assert 0 < trig.mean() < 1, "the test needs layer-steps that fire and others that do not"
         # bytes: exactly (C keys + S values) x d x element size for every KV head that fired, nothing otherwise

@@ -109,7 +109,7 @@ def twin(label, config):
 
         def decide(self, ctx):
             st = ctx.state
-            assert st.fused is rcr.fused.available()  # on CPU, the fused kernel's decisions are the ones checked
+            assert st.fused is rcr.fused.available()  # on CPU, the fused ops' decisions are the ones checked
             tau_before = st.tau.clone()
             got = super().decide(ctx)
             tau_got = st.tau.clone()
@@ -119,7 +119,13 @@ def twin(label, config):
             assert torch.equal(got.trigger, want.trigger), "trigger"
             assert torch.equal(got.tau, want.tau)
             assert torch.equal(got.selection, want.selection), "selection"
-            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values), "keys/values"
+            # on CPU the whole decision is one op (rcr::decide) and leaves keys/values to the merge, which copies the
+            # selected rows from the prefix store (rcr::merge_rows)
+            assert (got.keys is None) is st.fused and (got.values is None) is st.fused
+            k_p, v_p = ctx.prefix.prefix_kv(ctx.layer)
+            keys = _gather_heads(k_p, got.selection) if got.keys is None else got.keys
+            values = _gather_heads(v_p, got.selection) if got.values is None else got.values
+            assert torch.equal(keys, want.keys) and torch.equal(values, want.values), "keys/values"
             torch.testing.assert_close(got.drift, want.drift, rtol=1e-5, atol=1e-7)
             self.checked += 1
             self.fired += int(got.trigger.sum())
@@ -176,6 +182,7 @@ def test_decode_equals_the_reference_decode(prefixes, batch, label):
     n = 20
     got_dec = rcr.Decoder(model, prefix, parse_method(label, cfg), n, eos_token_id=[])
     ref_dec = rcr.Decoder(model, prefix, ref_cls(config=cfg, label=label), n, eos_token_id=[])
+    assert all(layer.fused_merge is rcr.fused.available() for layer in got_dec.cache.layers)  # rcr::merge_rows
     for dec in (got_dec, ref_dec):
         dec.run()
     assert torch.equal(got_dec.tokens, ref_dec.tokens)

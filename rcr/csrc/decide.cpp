@@ -40,26 +40,6 @@ at::Tensor rows_contiguous(const at::Tensor& x) {
   return (x.stride(3) == 1 && x.stride(2) == x.size(3)) ? x : x.contiguous();
 }
 
-// (B, H, k, d) = x[b, h, idx[b, h]] for x (B, H, N, d), idx (B, H, k) int64: rcr.cache.gather_heads
-at::Tensor gather_rows(const at::Tensor& x_in, const at::Tensor& idx_in) {
-  const at::Tensor x = rows_contiguous(x_in), idx = idx_in.contiguous();
-  const int64_t B = x.size(0), H = x.size(1), N = x.size(2), d = x.size(3), k = idx.size(2);
-  at::Tensor out = at::empty({B, H, k, d}, x.options());
-  const int64_t row = d * x.element_size();
-  const char* src = static_cast<const char*>(x.data_ptr());
-  char* dst = static_cast<char*>(out.data_ptr());
-  const int64_t* id = idx.data_ptr<int64_t>();
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    const char* base = src + ((bh / H) * x.stride(0) + (bh % H) * x.stride(1)) * x.element_size();
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t n = id[bh * k + j];
-      TORCH_CHECK(n >= 0 && n < N, "rcr::decide: candidate index ", n, " outside the prefix [0, ", N, ")");
-      std::memcpy(dst + (bh * k + j) * row, base + n * row, row);
-    }
-  }
-  return out;
-}
-
 // Row-wise ascending sort of the indices of the top k along the last dim of scores (B, H, M): rcr.scoring.top_sorted.
 // at::topk chooses the set, as in the torch path (the same entries on ties); the order is then by position.
 at::Tensor top_sorted(const at::Tensor& scores, int64_t k) {

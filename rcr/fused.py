@@ -3,7 +3,7 @@
 - ``torch.ops.rcr.detector_pass`` (``detector_pass.cpp``): the pass over the detector logits in one kernel. A
   compiled decode step (``RCRConfig.compile``) calls it without a graph break.
 - ``torch.ops.rcr.decide`` (``decide.cpp``): an eager layer-step's whole decision (``RCR.decide`` with the
-  resident reader), the same ATen ops in the same order without the Python between them.
+  resident reader) in plain loops, ``at::topk`` choosing as in the torch path, without the ~100 torch calls.
 - ``torch.ops.rcr.merge_rows`` (``decide.cpp``): the masked merge of a re-selection (``ResidentLayer.refresh``) as
   row copies where the trigger fired.
 

@@ -47,11 +47,12 @@ class Telemetry:
 
     @staticmethod
     def put(buf: torch.Tensor, layer: int, step, value: torch.Tensor) -> None:
-        """buf[:, layer, step] = value (B,); ``step`` an int or a (1,) long device tensor."""
+        """buf[..., layer, step] = value, for any buffer shaped (..., L, T) with ``value`` shaped
+        (...); ``step`` an int or a (1,) long device tensor (the compiled step's counter)."""
         if isinstance(step, torch.Tensor):
-            buf[:, layer].index_copy_(1, step, value.to(buf.dtype).view(-1, 1))
+            buf.select(-2, layer).index_copy_(-1, step, value.to(buf.dtype).unsqueeze(-1))
         else:
-            buf[:, layer, step] = value
+            buf[..., layer, step] = value
 
     def record_decision(self, layer: int, step, d, cost: dict) -> None:
         """One layer-step's ``Decision``; ``cost`` is the method's cost model (reads per refresh)."""
@@ -64,10 +65,7 @@ class Telemetry:
             frac * cost["keys_per_refresh"] if d.keys_read is None else d.keys_read,
             frac * cost["values_per_refresh"] if d.values_read is None else d.values_read,
             self._zero if d.detector_dots is None else d.detector_dots])
-        if isinstance(step, torch.Tensor):
-            self.decisions[:, :, layer].index_copy_(2, step, row.unsqueeze(-1))
-        else:
-            self.decisions[:, :, layer, step] = row
+        self.put(self.decisions, layer, step, row)
 
     def to_host(self) -> HostTelemetry:
         names = FIELDS_FLOAT + ("drift_exact", "top_prefix_pos")

@@ -55,6 +55,7 @@ SPECIAL_TOKENS = {
 # Real VLMs park much of their attention on such fixed leading text (attention sinks), which the paper's
 # drift figures reflect; the embedded model sees the same kind of prompt.
 SYSTEM_PROMPT = "You are a helpful assistant ."
+SYSTEM_PROMPT_ROLE = "system"  # the word after the first <|im_start|>: position 1 of every prompt, and only there
 
 # A minimal Qwen2-VL-style chat template over the word-level vocabulary. Message content may be a
 # string or a list of {"type": "image"|"video"|"text"} parts, as with the real Qwen2-VL processor.
@@ -109,7 +110,7 @@ def build_tokenizer():
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = S.vocabulary() + ["user", "assistant", "system"] + SYSTEM_PROMPT.split()
+    words = S.vocabulary() + ["user", "assistant", SYSTEM_PROMPT_ROLE] + SYSTEM_PROMPT.split()
     specials = list(SPECIAL_TOKENS.values())
     vocab = {tok: i for i, tok in enumerate(specials)}
     for w in words:
@@ -243,6 +244,95 @@ def plant_attention_sink(model, token_id: int, logit: float = 6.0) -> None:
         merger_out = [m for m in model.model.visual.merger.modules() if isinstance(m, torch.nn.Linear)][-1]
         merger_out.weight[s, :] = 0.0  # nor does the vision tower into a visual token
         merger_out.bias[s] = 0.0
+
+
+class HeldSink:
+    """An attention sink built into the weights and put back after every optimizer step (``--hold-sink``).
+
+    ``plant_attention_sink`` gives the model a pretrained LLM's starting point, but training from scratch
+    removes it within a few hundred steps (docs/embedded.md, round 5): nothing in a few million synthetic tokens
+    rewards a head for parking its idle mass, where a pretrained LLM brings the habit from trillions. A real VLM's
+    fine-tuning does not remove its sinks, so this one is held: the sink is a fixed part of the architecture and
+    training learns everything else around it. It sits on ``token_id``, the system prompt's role word, which every
+    prompt carries once, at position 1 (``<|im_start|>`` recurs at every turn, and three equal sinks would take
+    turns at being the most-attended position).
+
+    One hidden dimension ``s`` (the last) and one rotary pair per head (``pair`` = d/2 - 1, the slowest, and its
+    partner ``pair + d/2``) belong to the sink; every entry below is held at the value shown:
+    - the sink token's embedding is ``magnitude`` on ``s`` and 0 elsewhere (a "massive activation"); every other
+      token's is 0 on ``s``; no layer writes ``s`` (``o_proj`` and ``down_proj`` rows ``s`` are 0) and neither
+      does the vision tower (its merger's output row ``s``), so the sink token alone carries it, into every layer;
+    - each layer's RMSNorm weights on ``s`` are 1, and ``s`` reaches attention only through the sink's key:
+      ``k_proj`` rows ``pair``/``pair + d/2`` are 0 but for ``gain`` on ``s``, with 0 bias; columns ``s`` of
+      ``q_proj``/``k_proj``/``v_proj`` are 0 otherwise;
+    - ``q_proj`` rows ``pair``/``pair + d/2`` have 0 weights and bias ``(gain, 0)``: every query meets the sink key
+      with logit ``logit * cos(w * distance)``, and at ``mini_2d_slow``'s w = 1.8e-4 rad per token that is
+      ``logit`` to within 1% over a 700-token sample.
+    The sink's value comes from ``v_proj``'s bias alone (a no-op, as a pretrained sink's near-zero value is).
+    Heads still choose how much mass to leave on it: a head that reads an object raises that object's logits above
+    ``logit``. Gradients on the held entries are zeroed (so they leave clipping and Adam's moments alone) and
+    ``restore`` undoes AdamW's decoupled weight decay on them after each step.
+    """
+
+    def __init__(self, model, token_id: int, logit: float = 6.0, magnitude: float = 10.0):
+        import torch
+
+        text = model.model.language_model
+        emb = text.embed_tokens.weight  # (V, D); tied to lm_head: only the sink token's logit reads s
+        D = emb.shape[1]
+        s = D - 1
+        head_dim = model.config.text_config.hidden_size // model.config.text_config.num_attention_heads
+        pair, half = head_dim // 2 - 1, head_dim // 2
+        # RMSNorm maps the sink token's hidden state to ~sqrt(D) on s, so q . k / sqrt(d) = gain^2 sqrt(D/d) = logit
+        gain = math.sqrt(logit * math.sqrt(head_dim) / math.sqrt(D))
+        self.held: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []  # (param, mask, value)
+
+        def hold(param, index, value):
+            mask = torch.zeros_like(param, dtype=torch.bool)
+            mask[index] = True
+            target = torch.zeros_like(param)
+            target[index] = value
+            for p, m, t in self.held:  # one entry per parameter: merge masks, the later value wins
+                if p is param:
+                    t.copy_(torch.where(mask, target, t))
+                    m |= mask
+                    return
+            self.held.append((param, mask, target))
+
+        hold(emb, (slice(None), s), 0.0)
+        hold(emb, token_id, 0.0)
+        hold(emb, (token_id, s), magnitude)
+        merger_out = [m for m in model.model.visual.merger.modules() if isinstance(m, torch.nn.Linear)][-1]
+        hold(merger_out.weight, s, 0.0)
+        hold(merger_out.bias, s, 0.0)
+        for layer in text.layers:
+            att = layer.self_attn
+            hold(layer.input_layernorm.weight, s, 1.0)
+            hold(layer.post_attention_layernorm.weight, s, 1.0)
+            hold(att.o_proj.weight, s, 0.0)
+            hold(layer.mlp.down_proj.weight, s, 0.0)
+            for proj in (att.q_proj, att.k_proj, att.v_proj):
+                hold(proj.weight, (slice(None), s), 0.0)
+            for proj, planted in ((att.q_proj, "bias"), (att.k_proj, "weight")):
+                heads = proj.out_features // head_dim
+                rows = torch.cat([torch.arange(heads) * head_dim + pair, torch.arange(heads) * head_dim + pair + half])
+                first = torch.arange(heads) * head_dim + pair
+                hold(proj.weight, rows, 0.0)
+                hold(proj.bias, rows, 0.0)
+                if planted == "bias":
+                    hold(proj.bias, first, gain)
+                else:
+                    hold(proj.weight, (first, s), gain)
+        self.restore()
+        for param, mask, _ in self.held:
+            param.register_hook(lambda g, m=mask: g.masked_fill(m, 0.0))
+
+    def restore(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for param, mask, value in self.held:
+                param.copy_(torch.where(mask, value, param))
 
 
 def messages_for(task: str) -> list[dict]:
@@ -433,6 +523,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of the weight matrices")
     ap.add_argument("--sink", action=argparse.BooleanOptionalAction, default=False,
                     help="start with an attention sink on the first token, as a pretrained LLM has")
+    ap.add_argument("--hold-sink", action=argparse.BooleanOptionalAction, default=False,
+                    help="an attention sink on the system prompt's first word, built into the weights and held "
+                         "through training (HeldSink): training from scratch removes a planted --sink")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", default="auto",
@@ -499,8 +592,10 @@ def load_checkpoint(path: Path, model, opt, args: argparse.Namespace, device,
     import torch
 
     ck = torch.load(path, map_location=device, weights_only=False)  # our own checkpoint, not dataset content
-    older = {"layout": "v1", "weight_decay": 0.01, "sink": False}  # what checkpoints made before these flags used
-    made = {k: ck["args"].get(k, older.get(k)) for k in ("size", "seed", "layout", "steps", "weight_decay", "sink")}
+    # what checkpoints made before these flags used
+    older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False}
+    made = {k: ck["args"].get(k, older.get(k)) for k in ("size", "seed", "layout", "steps", "weight_decay", "sink",
+                                                         "hold_sink")}
     if made != {k: getattr(args, k) for k in made}:
         raise SystemExit(f"checkpoint {path} was made with {made}; pass the same flags, or --fresh")
     if resume and ck.get("curriculum") != CURRICULUM_ID:
@@ -537,8 +632,9 @@ class Trainer:
     """The training loop over ``make_batch``'s deterministic batches, with checkpoints and a clean stop on
     SIGTERM/SIGINT (finish the step, checkpoint, exit; the same command resumes)."""
 
-    def __init__(self, args, model, opt, builder, ckpt_path: Path, step: int, elapsed_before: float):
-        self.args, self.model, self.opt, self.builder = args, model, opt, builder
+    def __init__(self, args, model, opt, builder, ckpt_path: Path, step: int, elapsed_before: float,
+                 sink: HeldSink | None = None):
+        self.args, self.model, self.opt, self.builder, self.sink = args, model, opt, builder, sink
         self.ckpt_path, self.step, self.elapsed_before = ckpt_path, step, elapsed_before
         self.start_step, self.t_start = step, time.time()
         self.device = next(model.parameters()).device
@@ -566,6 +662,8 @@ class Trainer:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         n = batch["input_ids"].shape[0]
         loss, logits, tgt = optimizer_step(self.model, self.opt, batch, lr_at(args, self.step))
+        if self.sink is not None:
+            self.sink.restore()  # undo weight decay on the held entries (their gradients are already zero)
         self.step += 1
         with torch.no_grad():
             meter.add(loss, logits, tgt, n)
@@ -637,10 +735,15 @@ def main(argv=None):
     tok = build_tokenizer()
     processor = build_processor(tok)
     model = build_model(tok, args.size, seed=args.seed).to(device)
+    if args.sink and args.hold_sink:
+        raise SystemExit("--sink plants a sink that training may remove, --hold-sink one it may not: pass one")
     if args.sink:
         plant_attention_sink(model, tok.convert_tokens_to_ids(SPECIAL_TOKENS["im_start"]))
+    sink = HeldSink(model, tok.convert_tokens_to_ids(SYSTEM_PROMPT_ROLE)) if args.hold_sink else None
     if args.init_from:
         init_weights_from(model, args.init_from)
+        if sink is not None:
+            sink.restore()
     n_params = sum(p.numel() for p in model.parameters())
     opt = make_optimizer(model, args)
     step, elapsed_before = 0, 0.0
@@ -659,7 +762,7 @@ def main(argv=None):
     # the vision tower's attention over ~1,300 patches of 16-dim heads runs ~13% faster eager than SDPA on CPU;
     # training only: the saved model keeps the default implementation
     model.set_attn_implementation({"vision_config": "eager"})
-    trainer = Trainer(args, model, opt, BatchBuilder(processor), ckpt_path, step, elapsed_before)
+    trainer = Trainer(args, model, opt, BatchBuilder(processor), ckpt_path, step, elapsed_before, sink)
     if not trainer.run():
         return
     total = elapsed_before + time.time() - trainer.t_start

@@ -265,3 +265,39 @@ def test_mini_2d_slow_resolves_cells_and_leaves_room_for_a_sink():
     assert slow["row"].max() > 0.9 and slow["column"].max() > 0.5  # one cell (2 tokens) apart is told apart
     assert slow["text"].min() * 700 < 0.2  # the slowest pair turns < 0.2 rad over a 700-token sample
     assert fast["text"].min() * 700 > 5.0  # at theta 100 even the slowest pair turns by more than 5 rad
+
+
+def test_held_sink_survives_training_and_takes_the_idle_mass(tmp_path):
+    """--hold-sink (HeldSink): after training steps with weight decay every held entry is where it was put (and
+    every parameter holding one has trained), and each layer's last query leaves most of its mass on the sink
+    token at position 1, where a model trained without it leaves little."""
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    common = ["--size", "tiny", "--steps", "3", "--threads", "1", "--warmup", "1", "--batch-scale", "0.25",
+              "--fresh"]
+    with pytest.raises(SystemExit, match="--hold-sink"):
+        T.main(common + ["--run-dir", str(tmp_path / "both"), "--sink", "--hold-sink"])
+    shares = {}
+    for flag in ("--hold-sink", "--no-hold-sink"):
+        out = tmp_path / flag.strip("-")
+        T.main(common + ["--run-dir", str(out), "--out", str(out / "model"), flag])
+        model = Qwen2VLForConditionalGeneration.from_pretrained(str(out / "model"), attn_implementation="eager")
+        processor = AutoProcessor.from_pretrained(str(out / "model"))
+        if flag == "--hold-sink":
+            tok = T.build_tokenizer()
+            fresh = T.build_model(tok, "tiny")
+            held = T.HeldSink(fresh, tok.convert_tokens_to_ids(T.SYSTEM_PROMPT_ROLE))
+            trained = dict(model.named_parameters())
+            names = {id(p): n for n, p in fresh.named_parameters()}
+            for param, mask, value in held.held:
+                got = trained[names[id(param)]].detach()
+                assert torch.equal(got[mask], value[mask]), names[id(param)]
+                assert not torch.equal(got, param.detach()), f"{names[id(param)]} did not train at all"
+        frames, _ = S.render("textcaps", S.HELDOUT_SEED, 0)
+        inputs = T.processor_inputs(processor, "textcaps", frames)
+        assert processor.tokenizer.convert_ids_to_tokens(int(inputs["input_ids"][0, 1])) == T.SYSTEM_PROMPT_ROLE
+        with torch.no_grad():
+            att = model(**inputs, output_attentions=True).attentions  # L x (1, H, T, T)
+        shares[flag] = [float(a[0, :, -1, 1].mean()) for a in att]
+    assert min(shares["--hold-sink"]) > 0.5, shares
+    assert max(shares["--no-hold-sink"]) < 0.2, shares

@@ -102,7 +102,7 @@ LAYOUTS = {
     "v4": SceneLayout("v4", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True,
                       textured=True),
 }
-DEFAULT_LAYOUT = "v1"  # what the shipped model was trained on; flips with the model it belongs to
+DEFAULT_LAYOUT = "v4"  # what the shipped model was trained on; flips with the model it belongs to
 FRAME_SIZE = 168  # 12x12 patches -> 6x6 = 36 merged tokens per temporal patch
 VIDEO_GRID = 3
 VIDEO_CELL = FRAME_SIZE // VIDEO_GRID

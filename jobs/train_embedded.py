@@ -266,9 +266,13 @@ class HeldSink:
       ``k_proj`` rows ``pair``/``pair + d/2`` are 0 but for ``gain`` on ``s``, with 0 bias; columns ``s`` of
       ``q_proj``/``k_proj``/``v_proj`` are 0 otherwise;
     - ``q_proj`` rows ``pair``/``pair + d/2`` have 0 weights and bias ``(gain, 0)``: every query meets the sink key
-      with logit ``logit * cos(w * distance)``, and at ``mini_2d_slow``'s w = 1.8e-4 rad per token that is
-      ``logit`` to within 1% over a 700-token sample.
-    The sink's value comes from ``v_proj``'s bias alone (a no-op, as a pretrained sink's near-zero value is).
+      with logit ``logit * cos(w * distance)`` in the first layer, and at ``mini_2d_slow``'s w = 1.8e-4 rad per
+      token that is ``logit`` to within 1% over a 700-token sample. In later layers the sink token's hidden state
+      also holds what attention and MLPs wrote into it, which RMSNorm weighs against ``s``; ``magnitude`` is there
+      to keep ``s`` dominant and the logit near ``logit`` (test_embedded_model checks the mass a tiny model leaves
+      on it in every layer).
+    In the first layer the sink's value is ``v_proj``'s bias alone (a no-op, as a pretrained sink's near-zero
+    value is); later layers may learn to give it one.
     Heads still choose how much mass to leave on it: a head that reads an object raises that object's logits above
     ``logit``. Gradients on the held entries are zeroed (so they leave clipping and Adam's moments alone) and
     ``restore`` undoes AdamW's decoupled weight decay on them after each step.

@@ -43,19 +43,17 @@ def main(argv=None) -> None:
 
     tok = T.build_tokenizer()
     processor = T.build_processor(tok)
-    model = T.build_model(tok, targs.size, seed=targs.seed)
-    sink = T.HeldSink(model, tok.convert_tokens_to_ids(T.SYSTEM_PROMPT_ROLE)) if targs.hold_sink else None
-    model.set_attn_implementation({"vision_config": "eager"})  # as the trainer does
+    model, sink = T.build_run_model(targs, tok, "cpu")
+    model.set_attn_implementation({"vision_config": "eager"})  # as main() does for training
     model.train()
-    opt = T.make_optimizer(model, targs)
-    builder = T.BatchBuilder(processor)
+    # the trainer's own step (batch, optimizer step, held-sink restore, meter); no checkpoint is ever written
+    trainer = T.Trainer(targs, model, T.make_optimizer(model, targs), T.BatchBuilder(processor),
+                        Path(os.devnull), 0, 0.0, sink)
 
     def step(s: int) -> float:
         t0 = time.perf_counter()
-        _, batch = T.make_batch(builder, targs.seed, s, targs.steps, targs.batch_scale, targs.layout)
-        T.optimizer_step(model, opt, batch, T.lr_at(targs, s))
-        if sink is not None:
-            sink.restore()
+        trainer.step = s
+        trainer.train_step(T.Meter())
         return time.perf_counter() - t0
 
     step(0)  # untimed: first-call allocations

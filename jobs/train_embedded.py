@@ -725,6 +725,22 @@ class Trainer:
         return True
 
 
+def build_run_model(args: argparse.Namespace, tok, device):
+    """The model a run of ``args`` starts from before any checkpoint (--size, --seed, --sink, --hold-sink,
+    --init-from), and its ``HeldSink`` (None without --hold-sink)."""
+    if args.sink and args.hold_sink:
+        raise SystemExit("--sink plants a sink that training may remove, --hold-sink one it may not: pass one")
+    model = build_model(tok, args.size, seed=args.seed).to(device)
+    if args.sink:
+        plant_attention_sink(model, tok.convert_tokens_to_ids(SPECIAL_TOKENS["im_start"]))
+    sink = HeldSink(model, tok.convert_tokens_to_ids(SYSTEM_PROMPT_ROLE)) if args.hold_sink else None
+    if args.init_from:
+        init_weights_from(model, args.init_from)
+        if sink is not None:
+            sink.restore()
+    return model, sink
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -738,16 +754,7 @@ def main(argv=None):
 
     tok = build_tokenizer()
     processor = build_processor(tok)
-    model = build_model(tok, args.size, seed=args.seed).to(device)
-    if args.sink and args.hold_sink:
-        raise SystemExit("--sink plants a sink that training may remove, --hold-sink one it may not: pass one")
-    if args.sink:
-        plant_attention_sink(model, tok.convert_tokens_to_ids(SPECIAL_TOKENS["im_start"]))
-    sink = HeldSink(model, tok.convert_tokens_to_ids(SYSTEM_PROMPT_ROLE)) if args.hold_sink else None
-    if args.init_from:
-        init_weights_from(model, args.init_from)
-        if sink is not None:
-            sink.restore()
+    model, sink = build_run_model(args, tok, device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = make_optimizer(model, args)
     step, elapsed_before = 0, 0.0

@@ -7,7 +7,7 @@ import pyarrow.parquet
 import pytest
 
 from pipeline.run.actor import METHODS_COLUMN, SampleEvaluator
-from pipeline.run.config import JobConfig
+from pipeline.run.config import ConfigError, JobConfig
 from pipeline.schema import OUTPUT_SCHEMA, validate_output_table
 from tests.pipeline_helpers import bad_input_records, fake_model_dir, synthetic_records
 
@@ -79,6 +79,19 @@ def test_model_error_isolated_to_its_sample(evaluator):
     assert bad["error"].str.contains("model error: RuntimeError: fake engine crash").all()
     assert t[t["sample_id"] != recs[1]["sample_id"]]["error"].isna().all()
     assert len(t) == 9
+
+
+def test_a_hand_written_config_gets_the_task_defaults(tmp_path):
+    """A config dict that did not come through the driver's validate() (no max_new_tokens) still evaluates, with
+    the task's default length; before, every sample became an error row (a TypeError on None)."""
+    cfg = {"task": "textcaps", "model": str(fake_model_dir(tmp_path)), "methods": ["full", "bacon"],
+           "engine": "tests.pipeline_helpers:FakeEngine"}
+    ev = SampleEvaluator(cfg)
+    assert ev.cfg.max_new_tokens == JobConfig.from_dict({**cfg, "output_dir": str(tmp_path / "o")}).max_new_tokens
+    t = ev(_columns(synthetic_records("textcaps", 2))).to_pandas()
+    assert len(t) == 4 and t["error"].isna().all(), t["error"].tolist()
+    with pytest.raises(ConfigError, match="'task'"):
+        SampleEvaluator({**cfg, "task": "vqa"})
 
 
 def test_video_frames_reach_the_engine_as_one_sample(evaluator):

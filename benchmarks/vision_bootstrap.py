@@ -68,7 +68,7 @@ def main(argv=None) -> None:
             for lay in layouts:
                 res = probe(model, processor, "textcaps", lay, args.n)
                 cells.append(f"{lay}: " + " ".join(f"{k} {c / m:.2f} [{ch:.2f}]" for k, (c, m, ch) in res.items()
-                                                   if k in ("colour", "shape") and m))
+                                                   if k in ("colour", "texture", "shape") and m))
             print(f"step {step:>5}  " + "   ".join(cells) + f"   {time.time() - t0:.0f} s", flush=True)
             model.train()
         if step == args.steps:

@@ -149,6 +149,21 @@ def test_reading_probe_scores_only_the_words_the_image_tells():
         "size": ["small"], "colour": ["green"], "texture": ["striped"], "shape": ["diamond"]}
 
 
+def test_quality_gap_counts_only_the_masked_classes_mistakes():
+    """benchmarks/quality_gap.py: masking every attribute class forgives exactly the attribute mistakes, and with
+    one class unmasked only that class's mistakes count."""
+    from benchmarks.quality_gap import gap_scores, masked
+
+    assert masked("A big red plain circle .", keep="colour") == "A <size> red <texture> <shape> ."
+    ref = "In row one , column one , a big red plain circle . In row one , column two , nothing ."
+    out = "In row one , column one , a big red dotted square . In row one , column two , nothing ."
+    g = gap_scores(ref, out)
+    assert g["as scored"] < 1 and g["masked"] == g["size"] == g["colour"] == 1.0
+    assert g["texture"] < 1 and g["shape"] < 1 and g["as scored"] < g["texture"]
+    wrong_cell = out.replace("column two , nothing", "column two , a small red plain circle")
+    assert gap_scores(ref, wrong_cell)["masked"] < 1  # template and occupancy mistakes are never masked
+
+
 def test_the_shipped_model_reads_its_scenes(shipped):
     """Colour is told only by the image: the shipped model names it far above chance (1/6), where a model that
     ignores the image, as every v3/v4 run from scratch did, sits at chance. (It reads size a little, and texture

@@ -246,6 +246,9 @@ def plant_attention_sink(model, token_id: int, logit: float = 6.0) -> None:
         merger_out.bias[s] = 0.0
 
 
+HELD_SINK_LOGIT = 6.0  # the held sink's logit in run J (docs/embedded.md); --sink-logit sets another
+
+
 class HeldSink:
     """An attention sink built into the weights and put back after every optimizer step (``--hold-sink``).
 
@@ -278,7 +281,7 @@ class HeldSink:
     ``restore`` undoes AdamW's decoupled weight decay on them after each step.
     """
 
-    def __init__(self, model, token_id: int, logit: float = 6.0, magnitude: float = 10.0):
+    def __init__(self, model, token_id: int, logit: float = HELD_SINK_LOGIT, magnitude: float = 10.0):
         import torch
 
         text = model.model.language_model
@@ -530,6 +533,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hold-sink", action=argparse.BooleanOptionalAction, default=False,
                     help="an attention sink on the system prompt's first word, built into the weights and held "
                          "through training (HeldSink): training from scratch removes a planted --sink")
+    ap.add_argument("--sink-logit", type=float, default=HELD_SINK_LOGIT,
+                    help="the logit every query meets the held sink with (--hold-sink only); a head's idle mass goes "
+                         "to it only while its other logits stay well below this")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", default="auto",
@@ -597,9 +603,9 @@ def load_checkpoint(path: Path, model, opt, args: argparse.Namespace, device,
 
     ck = torch.load(path, map_location=device, weights_only=False)  # our own checkpoint, not dataset content
     # what checkpoints made before these flags used
-    older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False}
+    older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False, "sink_logit": HELD_SINK_LOGIT}
     made = {k: ck["args"].get(k, older.get(k)) for k in ("size", "seed", "layout", "steps", "weight_decay", "sink",
-                                                         "hold_sink")}
+                                                         "hold_sink", "sink_logit")}
     if made != {k: getattr(args, k) for k in made}:
         raise SystemExit(f"checkpoint {path} was made with {made}; pass the same flags, or --fresh")
     if resume and ck.get("curriculum") != CURRICULUM_ID:
@@ -730,10 +736,13 @@ def build_run_model(args: argparse.Namespace, tok, device):
     --init-from), and its ``HeldSink`` (None without --hold-sink)."""
     if args.sink and args.hold_sink:
         raise SystemExit("--sink plants a sink that training may remove, --hold-sink one it may not: pass one")
+    if args.sink_logit != HELD_SINK_LOGIT and not args.hold_sink:
+        raise SystemExit(f"--sink-logit {args.sink_logit} sets the held sink's logit: pass --hold-sink too")
     model = build_model(tok, args.size, seed=args.seed).to(device)
     if args.sink:
         plant_attention_sink(model, tok.convert_tokens_to_ids(SPECIAL_TOKENS["im_start"]))
-    sink = HeldSink(model, tok.convert_tokens_to_ids(SYSTEM_PROMPT_ROLE)) if args.hold_sink else None
+    sink = HeldSink(model, tok.convert_tokens_to_ids(SYSTEM_PROMPT_ROLE), logit=args.sink_logit) if args.hold_sink \
+        else None
     if args.init_from:
         init_weights_from(model, args.init_from)
         if sink is not None:

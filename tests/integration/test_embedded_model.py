@@ -320,3 +320,23 @@ def test_held_sink_survives_training_and_takes_the_idle_mass(tmp_path):
         shares[flag] = [float(a[0, :, -1, 1].mean()) for a in att]
     assert min(shares["--hold-sink"]) > 0.5, shares
     assert max(shares["--no-hold-sink"]) < 0.2, shares
+
+
+def test_sink_logit_sets_the_held_sinks_pull():
+    """--sink-logit: a larger held logit leaves more of a fresh model's first-layer attention on the sink, and the
+    flag without --hold-sink is refused by name."""
+    tok = T.build_tokenizer()
+    processor = T.build_processor(tok)
+    frames, _ = S.render("textcaps", S.HELDOUT_SEED, 0)
+    inputs = T.processor_inputs(processor, "textcaps", frames)
+    share = {}
+    for logit in (2.0, 6.0, 10.0):
+        model, _ = T.build_run_model(T.parse_args(["--size", "tiny", "--hold-sink", "--sink-logit", str(logit)]),
+                                     tok, "cpu")
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            att = model(**inputs, output_attentions=True).attentions[0]  # (1, H, T, T)
+        share[logit] = float(att[0, :, 30:, 1].mean())  # every query after the system prompt
+    assert share[2.0] < share[6.0] < share[10.0] and share[10.0] > 0.9, share
+    with pytest.raises(SystemExit, match="--sink-logit"):
+        T.build_run_model(T.parse_args(["--size", "tiny", "--sink-logit", "10"]), tok, "cpu")

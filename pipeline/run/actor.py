@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from pipeline.data.images import BadInput, load_sample_images
 from pipeline.quiet import quiet_model_loading
-from pipeline.run.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, JobConfig
+from pipeline.run.config import JobConfig, default_max_new_tokens
 from pipeline.schema import TASKS, JobStamp, error_rows, output_row, output_table
 
 log = logging.getLogger(__name__)
@@ -156,9 +156,7 @@ class SampleEvaluator:
     def __init__(self, config: dict, config_hash: str | None = None):
         self.cfg = JobConfig.from_dict(config, validate=False)  # the driver validated it (paths are its own)
         if self.cfg.max_new_tokens is None:  # a hand-written config: the task's default, as validate() fills in
-            if self.cfg.task not in TASKS:
-                raise ConfigError("task", f"unknown task '{self.cfg.task}'; choose one of {', '.join(TASKS)}")
-            self.cfg.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[self.cfg.task]
+            self.cfg.max_new_tokens = default_max_new_tokens(self.cfg.task)
         self.job = JobStamp(model=self.cfg.model, config_hash=config_hash or self.cfg.config_hash,
                             job_name=self.cfg.job_name, task=self.cfg.task)
         import torch

@@ -49,6 +49,13 @@ class ConfigError(ValueError):
         super().__init__(f"config error: field '{field}': {message}")
 
 
+def default_max_new_tokens(task: str) -> int:
+    """The task's default output length (what validate() fills in); a ConfigError naming 'task' if unknown."""
+    if task not in TASKS:
+        raise ConfigError("task", f"unknown task '{task}'; choose one of {', '.join(TASKS)}")
+    return DEFAULT_MAX_NEW_TOKENS[task]
+
+
 def default_runs_root() -> Path:
     return Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve()
 
@@ -135,10 +142,9 @@ class JobConfig:
 
     def validate(self) -> JobConfig:
         """Check every field; fill the task-dependent defaults. Raises :class:`ConfigError`."""
-        if self.task not in TASKS:
-            raise ConfigError("task", f"unknown task '{self.task}'; choose one of {', '.join(TASKS)}")
+        default_length = default_max_new_tokens(self.task)
         if self.max_new_tokens is None:
-            self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[self.task]
+            self.max_new_tokens = default_length
         _int_range("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
         if self.limit is not None:
             _int_range("limit", self.limit, 1, None)

@@ -26,12 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.reading_probe import ATTRIBUTES  # noqa: E402
 from jobs.eval_embedded import evaluate_task  # noqa: E402
 from pipeline.analysis.text_metrics import rouge_l_f1  # noqa: E402
 from pipeline.data import synthetic as S  # noqa: E402
 from pipeline.run.config import JobConfig  # noqa: E402
 
-CLASSES = {"size": S.SIZES, "colour": tuple(S.COLOURS), "texture": S.TEXTURES, "shape": S.SHAPES}
+CLASSES = {name: vocab for name, (_, vocab) in ATTRIBUTES.items()}  # the words only the image tells
 WORD_CLASS = {w: c for c, words in CLASSES.items() for w in words}
 
 

@@ -142,7 +142,7 @@ class JobConfig:
 
     def validate(self) -> JobConfig:
         """Check every field; fill the task-dependent defaults. Raises :class:`ConfigError`."""
-        default_length = default_max_new_tokens(self.task)
+        default_length = default_max_new_tokens(self.task)  # also the task check: before anything reads the task
         if self.max_new_tokens is None:
             self.max_new_tokens = default_length
         _int_range("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)

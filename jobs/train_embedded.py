@@ -246,7 +246,7 @@ def plant_attention_sink(model, token_id: int, logit: float = 6.0) -> None:
         merger_out.bias[s] = 0.0
 
 
-HELD_SINK_LOGIT = 6.0  # the held sink's logit in run J (docs/embedded.md); --sink-logit sets another
+HELD_SINK_LOGIT = 6.0  # run J's held logit and where --sink-ramp starts (docs/embedded.md); --sink-logit sets another
 
 
 class HeldSink:
@@ -293,6 +293,8 @@ class HeldSink:
         # RMSNorm maps the sink token's hidden state to ~sqrt(D) on s, so q . k / sqrt(d) = gain^2 sqrt(D/d) = logit
         gain = math.sqrt(logit * math.sqrt(head_dim) / math.sqrt(D))
         self.held: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []  # (param, mask, value)
+        self.gain_entries: list[tuple[torch.Tensor, tuple]] = []  # (value tensor, index): the entries set to gain
+        self.logit, self.scale = logit, math.sqrt(head_dim) / math.sqrt(D)
 
         def hold(param, index, value):
             mask = torch.zeros_like(param, dtype=torch.bool)
@@ -303,8 +305,9 @@ class HeldSink:
                 if p is param:
                     t.copy_(torch.where(mask, target, t))
                     m |= mask
-                    return
+                    return t
             self.held.append((param, mask, target))
+            return target
 
         hold(emb, (slice(None), s), 0.0)
         hold(emb, token_id, 0.0)
@@ -326,13 +329,22 @@ class HeldSink:
                 first = torch.arange(heads) * head_dim + pair
                 hold(proj.weight, rows, 0.0)
                 hold(proj.bias, rows, 0.0)
-                if planted == "bias":
-                    hold(proj.bias, first, gain)
-                else:
-                    hold(proj.weight, (first, s), gain)
+                index = first if planted == "bias" else (first, s)
+                self.gain_entries.append((hold(proj.bias if planted == "bias" else proj.weight, index, gain), index))
         self.restore()
         for param, mask, _ in self.held:
             param.register_hook(lambda g, m=mask: g.masked_fill(m, 0.0))
+
+    def set_logit(self, logit: float) -> None:
+        """Hold the sink at ``logit`` from now on (``--sink-ramp``): the query bias and key weight that meet on
+        the sink's rotary pair both become sqrt(logit * sqrt(d) / sqrt(D))."""
+        if logit == self.logit:
+            return
+        gain = math.sqrt(logit * self.scale)
+        for value, index in self.gain_entries:
+            value[index] = gain
+        self.logit = logit
+        self.restore()
 
     def restore(self) -> None:
         import torch
@@ -536,6 +548,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sink-logit", type=float, default=HELD_SINK_LOGIT,
                     help="the logit every query meets the held sink with (--hold-sink only); a head's idle mass goes "
                          "to it only while its other logits stay well below this")
+    ap.add_argument("--sink-ramp", type=float, nargs=2, default=None, metavar=("FROM", "TO"),
+                    help="hold the sink at HELD_SINK_LOGIT until fraction FROM of --steps, then raise it linearly to "
+                         "--sink-logit by fraction TO: vision learns to read under the weak sink first")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", default="auto",
@@ -548,6 +563,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="save the checkpoint in --run-dir as a model directory at DIR and exit (no training): "
                          "look at a run while it trains, e.g. with jobs/eval_embedded.py --model DIR")
     return ap.parse_args(argv)
+
+
+def sink_logit_at(args: argparse.Namespace, step: int) -> float:
+    """The held sink's logit at ``step``: --sink-logit, or under --sink-ramp HELD_SINK_LOGIT rising linearly to it."""
+    if args.sink_ramp is None:
+        return args.sink_logit
+    lo, hi = args.sink_ramp
+    frac = step / max(1, args.steps)
+    t = 1.0 if frac >= hi else 0.0 if frac <= lo else (frac - lo) / (hi - lo)
+    return HELD_SINK_LOGIT + t * (args.sink_logit - HELD_SINK_LOGIT)
 
 
 def lr_at(args: argparse.Namespace, step: int) -> float:
@@ -603,9 +628,10 @@ def load_checkpoint(path: Path, model, opt, args: argparse.Namespace, device,
 
     ck = torch.load(path, map_location=device, weights_only=False)  # our own checkpoint, not dataset content
     # what checkpoints made before these flags used
-    older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False, "sink_logit": HELD_SINK_LOGIT}
+    older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False, "sink_logit": HELD_SINK_LOGIT,
+             "sink_ramp": None}
     made = {k: ck["args"].get(k, older.get(k)) for k in ("size", "seed", "layout", "steps", "weight_decay", "sink",
-                                                         "hold_sink", "sink_logit")}
+                                                         "hold_sink", "sink_logit", "sink_ramp")}
     if made != {k: getattr(args, k) for k in made}:
         raise SystemExit(f"checkpoint {path} was made with {made}; pass the same flags, or --fresh")
     if resume and ck.get("curriculum") != CURRICULUM_ID:
@@ -671,6 +697,8 @@ class Trainer:
         _, batch = make_batch(self.builder, args.seed, self.step, args.steps, args.batch_scale, args.layout)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         n = batch["input_ids"].shape[0]
+        if self.sink is not None:
+            self.sink.set_logit(sink_logit_at(args, self.step))
         loss, logits, tgt = optimizer_step(self.model, self.opt, batch, lr_at(args, self.step))
         if self.sink is not None:
             self.sink.restore()  # undo weight decay on the held entries (their gradients are already zero)
@@ -738,11 +766,14 @@ def build_run_model(args: argparse.Namespace, tok, device):
         raise SystemExit("--sink plants a sink that training may remove, --hold-sink one it may not: pass one")
     if args.sink_logit != HELD_SINK_LOGIT and not args.hold_sink:
         raise SystemExit(f"--sink-logit {args.sink_logit} sets the held sink's logit: pass --hold-sink too")
+    if args.sink_ramp is not None and not (args.hold_sink and 0.0 <= args.sink_ramp[0] < args.sink_ramp[1] <= 1.0):
+        raise SystemExit(f"--sink-ramp {args.sink_ramp}: give fractions FROM < TO of --steps in [0, 1], with "
+                         "--hold-sink")
     model = build_model(tok, args.size, seed=args.seed).to(device)
     if args.sink:
         plant_attention_sink(model, tok.convert_tokens_to_ids(SPECIAL_TOKENS["im_start"]))
-    sink = HeldSink(model, tok.convert_tokens_to_ids(SYSTEM_PROMPT_ROLE), logit=args.sink_logit) if args.hold_sink \
-        else None
+    sink = HeldSink(model, tok.convert_tokens_to_ids(SYSTEM_PROMPT_ROLE), logit=sink_logit_at(args, 0)) \
+        if args.hold_sink else None
     if args.init_from:
         init_weights_from(model, args.init_from)
         if sink is not None:

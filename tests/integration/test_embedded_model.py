@@ -94,9 +94,9 @@ def test_training_batches_equal_processor_output(shipped, task):
 def test_greedy_quality_on_held_out_samples(shipped):
     """A few held-out samples per task; the full bars are printed by jobs/eval_embedded.py."""
     model, processor = shipped
-    # the shipped model scores 0.805 / 0.800 / 0.738 on these samples (0.757 / 0.833 / 0.834 on 100 per task,
-    # docs/embedded.md); untrained weights score < 0.1
-    floors = {"detailcaps": (4, 0.72), "textcaps": (4, 0.7), "video": (3, 0.62)}
+    # the shipped model (run L) scores 0.714 / 0.882 / 0.764 on these samples (0.702 / 0.842 / 0.803 on 100 per
+    # task, docs/embedded.md); untrained weights score < 0.1
+    floors = {"detailcaps": (4, 0.64), "textcaps": (4, 0.78), "video": (3, 0.66)}
     for task, (n, floor) in floors.items():
         samples = [S.render(task, S.HELDOUT_SEED, i) for i in range(n)]
         frames = [[Image.fromarray(f) for f in s[0]] for s in samples]
@@ -109,17 +109,19 @@ def test_greedy_quality_on_held_out_samples(shipped):
 
 
 def test_default_budget_is_in_the_papers_regime(shipped):
-    """The premise the default benchmark rests on (docs/embedded.md): at the default budget (32 selected + 32
-    window) the prefix is at least 8x the selection, and re-choosing the top entries at every step (``exact``)
-    keeps the full model's description better than a selection fixed after prefill (``bacon``). The full
-    figures, on 100 samples with CIs, come from jobs/eval_embedded.py; the v1 model shipped before it fails this
-    (its prefix is ~125 entries, and exact scored no better than bacon)."""
+    """The premises the default benchmark rests on (docs/embedded.md): at the default budget (32 selected + 32
+    window) the prefix is at least 8x the selection; re-choosing the top entries at every step (``exact``)
+    keeps the full model's description better than a selection fixed after prefill (``bacon``); and, as in a
+    real VLM, attention dwells: the most-attended prefix position is the same at adjacent steps in at least 41%
+    of layer-steps. The full figures, on 100 samples with CIs, come from jobs/eval_embedded.py. The v1 model
+    shipped before run I fails the first two (its prefix is ~125 entries, and exact scored no better than bacon),
+    run I the third (4% of layer-steps)."""
     model, processor = shipped
     samples = [S.render("detailcaps", S.HELDOUT_SEED, i) for i in range(3)]
     frames = [[Image.fromarray(f) for f in s[0]] for s in samples]
     inputs = rcr.models.build_inputs(processor, [S.PROMPTS["detailcaps"]] * 3, frames)
-    res = rcr.generate(model, inputs, method=["full", "bacon", "exact"],
-                       max_new_tokens=DEFAULT_MAX_NEW_TOKENS["detailcaps"], config=rcr.RCRConfig())
+    res = rcr.generate(model, inputs, method=["full", "bacon", "exact"], max_new_tokens=DEFAULT_MAX_NEW_TOKENS[
+        "detailcaps"], config=rcr.RCRConfig(record_attention=True))  # record_attention: full's top positions
     assert res["full"].prefix_len.min() >= 8 * rcr.RCRConfig().selected
 
     def fidelity(label):
@@ -129,6 +131,10 @@ def test_default_budget_is_in_the_papers_regime(shipped):
                         for b in range(3)])
 
     assert fidelity("exact") > fidelity("bacon") + 0.05, (fidelity("exact"), fidelity("bacon"))
+    top = [res["full"].sample(b)["top_prefix_pos"] for b in range(3)]  # each (L, T); -1 where not recorded
+    same = sum(int(((t[:, 1:] == t[:, :-1]) & (t[:, 1:] >= 0) & (t[:, :-1] >= 0)).sum()) for t in top)
+    pairs = sum(int(((t[:, 1:] >= 0) & (t[:, :-1] >= 0)).sum()) for t in top)
+    assert pairs > 1000 and same / pairs >= 0.41, (same, pairs)
 
 
 
@@ -340,3 +346,36 @@ def test_sink_logit_sets_the_held_sinks_pull():
     assert share[2.0] < share[6.0] < share[10.0] and share[10.0] > 0.9, share
     with pytest.raises(SystemExit, match="--sink-logit"):
         T.build_run_model(T.parse_args(["--size", "tiny", "--sink-logit", "10"]), tok, "cpu")
+
+
+def test_sink_ramp_raises_the_held_logit_in_place():
+    """--sink-ramp: the held logit stays at HELD_SINK_LOGIT until FROM, rises linearly to --sink-logit by TO, and
+    set_logit moves the sink's pull on a live model (both held entries, no other weight)."""
+    args = T.parse_args(["--size", "tiny", "--hold-sink", "--sink-logit", "10", "--sink-ramp", "0.3", "0.5",
+                         "--steps", "100"])
+    at = [T.sink_logit_at(args, step) for step in (0, 30, 40, 50, 99)]
+    assert at == pytest.approx([T.HELD_SINK_LOGIT, T.HELD_SINK_LOGIT, (T.HELD_SINK_LOGIT + 10) / 2, 10, 10])
+    tok = T.build_tokenizer()
+    frames, _ = S.render("textcaps", S.HELDOUT_SEED, 0)
+    inputs = T.processor_inputs(T.build_processor(tok), "textcaps", frames)
+    model, sink = T.build_run_model(args, tok, "cpu")
+    model.set_attn_implementation("eager")
+
+    def first_layer_share():
+        with torch.no_grad():
+            return float(model(**inputs, output_attentions=True).attentions[0][0, :, 30:, 1].mean())
+
+    before, weights = first_layer_share(), {k: v.clone() for k, v in model.state_dict().items()}
+    sink.set_logit(10.0)
+    after = first_layer_share()
+    fresh, _ = T.build_run_model(T.parse_args(["--size", "tiny", "--hold-sink", "--sink-logit", "10"]), tok, "cpu")
+    assert before < after and after > 0.9, (before, after)
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, weights[k])]
+    assert changed and all(k.endswith(("q_proj.bias", "k_proj.weight")) for k in changed), changed
+    for k in changed:  # the same entries a model built at logit 10 holds
+        assert torch.allclose(model.state_dict()[k], fresh.state_dict()[k]), k
+    for bad in (["--sink-ramp", "0.5", "0.3"], ["--sink-ramp", "0.1", "1.5"]):
+        with pytest.raises(SystemExit, match="--sink-ramp"):
+            T.build_run_model(T.parse_args(["--size", "tiny", "--hold-sink", *bad]), tok, "cpu")
+    with pytest.raises(SystemExit, match="--sink-ramp"):
+        T.build_run_model(T.parse_args(["--size", "tiny", "--sink-ramp", "0.1", "0.2"]), tok, "cpu")

@@ -291,10 +291,10 @@ class HeldSink:
         head_dim = model.config.text_config.hidden_size // model.config.text_config.num_attention_heads
         pair, half = head_dim // 2 - 1, head_dim // 2
         # RMSNorm maps the sink token's hidden state to ~sqrt(D) on s, so q . k / sqrt(d) = gain^2 sqrt(D/d) = logit
-        gain = math.sqrt(logit * math.sqrt(head_dim) / math.sqrt(D))
+        self.logit, self.scale = logit, math.sqrt(head_dim) / math.sqrt(D)
+        gain = math.sqrt(logit * self.scale)
         self.held: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []  # (param, mask, value)
         self.gain_entries: list[tuple[torch.Tensor, tuple]] = []  # (value tensor, index): the entries set to gain
-        self.logit, self.scale = logit, math.sqrt(head_dim) / math.sqrt(D)
 
         def hold(param, index, value):
             mask = torch.zeros_like(param, dtype=torch.bool)

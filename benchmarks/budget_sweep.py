@@ -2,6 +2,8 @@
 
     python benchmarks/budget_sweep.py [--model embedded] [--layout v2] [--samples 16] [--selected 16,32,64]
     python benchmarks/budget_sweep.py --whole-layers 0     # ablation: layer 0 attends to its whole prefix
+    python benchmarks/budget_sweep.py --selected 32 --methods exact,quest,arkvale --page-sizes 1,4,8,16
+    python benchmarks/budget_sweep.py --selected 32 --methods exact,infinigen --set infinigen_partial_ratio=1.0
 
 For each ``selected`` budget (window fixed at 32), every method decodes the same held-out synthetic
 ``detailcaps`` scenes (seed ``pipeline.data.synthetic.HELDOUT_SEED``) from one prefill per batch, through the
@@ -10,6 +12,11 @@ uncompressed output of the same run, the exact drift (the attention mass each st
 prefix entries evicted when it arrived, before that step's refresh; mean over layer-steps) and the realised
 refresh fraction. Everything is measured side by side in one run, so the comparison between methods holds
 on a noisy machine; the seconds do not.
+
+``--page-sizes`` repeats each budget at several page sizes of the page-based baselines (Quest, ArkVale; the
+token-level methods ignore it), and prints, per layer, how often one of Quest's kept pages is the prompt's first
+page: a page that holds an attention sink outranks every other page, so at 2 pages of 16 (the paper's 32 slots)
+it leaves 16 slots for everything else where a token-level selection spends one (docs/embedded.md).
 
 ``--whole-layers`` is an ablation, not a method: in the listed layers every method attends to the whole prefix
 (plus the window and the answer so far), as ``full`` does, while the other layers keep their selections. It
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import os
 import sys
 import time
@@ -69,6 +77,39 @@ def whole_layers(layers: set[int]):
         gen.DecodeSession.__call__ = selective
 
 
+@contextlib.contextmanager
+def quest_first_page(counts: dict[int, list[float]]):
+    """Within the block, record per layer the share of (sample, KV head) decisions in which Quest keeps the
+    prompt's first page (``counts[layer]`` gets one share per decode step)."""
+    from rcr.methods.quest import Quest
+    from rcr.scoring import top_sorted
+
+    score = Quest.score
+
+    def recording(self, ctx):
+        scores = score(self, ctx)  # (B, Hkv, Np)
+        sel = top_sorted(scores, ctx.resident.n_selected)  # (B, Hkv, S): the entries Quest keeps
+        page = ctx.state.layout.page_of.unsqueeze(1).expand(-1, sel.shape[1], -1).gather(2, sel)  # (B, Hkv, S)
+        counts.setdefault(ctx.layer, []).append((page == 0).any(-1).double().mean().item())
+        return scores
+
+    Quest.score = recording
+    try:
+        yield
+    finally:
+        Quest.score = score
+
+
+def parse_setting(text: str) -> tuple[str, object]:
+    field, sep, value = text.partition("=")
+    if not sep or not field:
+        raise SystemExit(f"--set {text!r}: expected FIELD=VALUE, e.g. infinigen_partial_ratio=1.0")
+    try:
+        return field, json.loads(value)
+    except json.JSONDecodeError:
+        return field, value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=EMBEDDED)
@@ -80,28 +121,43 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--whole-layers", default="", help="ablation: comma-separated layers that attend to the whole "
                     "prefix in every method (default: none)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="an RCRConfig field for every run (repeatable; the value is read as JSON, else as text)")
+    ap.add_argument("--page-sizes", default=None, help="comma-separated page sizes of quest and arkvale "
+                    "(default: the config's); with quest, also how often it keeps the prompt's first page")
     args = ap.parse_args(argv)
     whole = {int(x) for x in args.whole_layers.split(",") if x}
+    overrides = dict(parse_setting(x) for x in args.set)
     methods = ["full"] + [m for m in args.methods.split(",") if m != "full"]
     print(f"model {args.model} (layout {args.layout}); {args.samples} held-out detailcaps scenes; window 32; "
-          f"load average {os.getloadavg()[0]:.1f}" + (f"; layers {sorted(whole)} whole (ablation)" if whole else ""))
-    print(f"{'selected':>8}  {'method':<15} {'fidelity [95% CI]':<22} {'exact drift':>11} {'refresh':>7}")
+          f"load average {os.getloadavg()[0]:.1f}" + (f"; layers {sorted(whole)} whole (ablation)" if whole else "")
+          + (f"; rcr {overrides}" if overrides else ""))
+    pages = [int(x) for x in args.page_sizes.split(",")] if args.page_sizes else [None]
+    print(f"{'selected':>8}  {'page':>4}  {'method':<15} {'fidelity [95% CI]':<22} {'exact drift':>11} {'refresh':>7}")
     for k in [int(x) for x in args.selected.split(",")]:
-        t0 = time.time()
-        cfg = JobConfig.from_dict(dict(task="detailcaps", model=args.model, methods=methods, device="cpu",
-                                       batch_size=args.batch_size, torch_threads=args.threads,
-                                       rcr={"selected": k, "candidates": max(128, 4 * k), "exact_drift": True}))
-        with whole_layers(whole):
-            rows = evaluate_task(cfg, "detailcaps", args.samples, S.HELDOUT_SEED, args.layout,
-                                 log=lambda *a, **k: None)
-        a = analyze(rows, reference_metrics=False)
-        drift = rows.groupby("method")["mean_drift_exact"].mean()
-        for _, r in a.methods.set_index("method").loc[methods[1:]].iterrows():
-            ci = f"{r['fidelity']:.3f} [{r['fidelity_ci_low']:.3f}, {r['fidelity_ci_high']:.3f}]"
-            print(f"{k:>8}  {r.name:<15} {ci:<22} {drift[r.name]:11.3f} {r['refresh_fraction']:7.3f}")
-        prefix = rows.loc[rows["method"] == "full", "prefix_len"].to_numpy(float)
-        print(f"{'':>8}  (valid prefix entries per sample: mean {np.mean(prefix):.0f}; {time.time() - t0:.0f} s)",
-              flush=True)
+        for page in pages:
+            t0 = time.time()
+            rcr_cfg = {"selected": k, "candidates": max(128, 4 * k), **overrides, "exact_drift": True}
+            if page is not None:
+                rcr_cfg["page_size"] = page
+            cfg = JobConfig.from_dict(dict(task="detailcaps", model=args.model, methods=methods, device="cpu",
+                                           batch_size=args.batch_size, torch_threads=args.threads, rcr=rcr_cfg))
+            first_page: dict[int, list[float]] = {}
+            with whole_layers(whole), quest_first_page(first_page):
+                rows = evaluate_task(cfg, "detailcaps", args.samples, S.HELDOUT_SEED, args.layout,
+                                     log=lambda *a, **k: None)
+            a = analyze(rows, reference_metrics=False)
+            drift = rows.groupby("method")["mean_drift_exact"].mean()
+            label = "" if page is None else str(page)
+            for _, r in a.methods.set_index("method").loc[methods[1:]].iterrows():
+                ci = f"{r['fidelity']:.3f} [{r['fidelity_ci_low']:.3f}, {r['fidelity_ci_high']:.3f}]"
+                print(f"{k:>8}  {label:>4}  {r.name:<15} {ci:<22} {drift[r.name]:11.3f} {r['refresh_fraction']:7.3f}")
+            if first_page:
+                share = ", ".join(f"layer {i} {np.mean(v):.2f}" for i, v in sorted(first_page.items()))
+                print(f"{'':>8}  {'':>4}  (quest keeps the prompt's first page in: {share})")
+            prefix = rows.loc[rows["method"] == "full", "prefix_len"].to_numpy(float)
+            print(f"{'':>8}  {'':>4}  (valid prefix entries per sample: mean {np.mean(prefix):.0f}; "
+                  f"{time.time() - t0:.0f} s)", flush=True)
     return 0
 
 

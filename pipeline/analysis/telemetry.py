@@ -76,6 +76,19 @@ def refresh_by_step(df: pd.DataFrame, method: str = RCR, model: str | None = Non
     return out
 
 
+def unchanged_top_pairs(top: np.ndarray) -> tuple[int, int]:
+    """(unchanged, compared) adjacent-step pairs of one sample's most-attended prefix positions.
+
+    ``top`` is (L, T): per layer, the top prefix position at each decode step. A pair is compared only where
+    both steps hold a real position (negative or non-finite marks a step that was not recorded).
+    """
+    a = np.asarray(top, dtype=float)
+    if a.ndim != 2 or a.shape[1] < 2:
+        return 0, 0
+    ok = (a[:, 1:] >= 0) & (a[:, :-1] >= 0) & np.isfinite(a[:, 1:]) & np.isfinite(a[:, :-1])  # (L, T-1)
+    return int(((a[:, 1:] == a[:, :-1]) & ok).sum()), int(ok.sum())
+
+
 def top_position_stability(df: pd.DataFrame) -> pd.DataFrame:
     """Fraction of adjacent decode steps whose most-attended prefix position is unchanged, per model.
 
@@ -94,15 +107,14 @@ def top_position_stability(df: pd.DataFrame) -> pd.DataFrame:
         per_sample = []
         for x in g[Col.TOP_PREFIX_POS]:
             a = as_2d(x, float)
-            if a is None or a.shape[1] < 2:
+            if a is None:
                 continue
-            ok = (a[:, 1:] >= 0) & (a[:, :-1] >= 0) & np.isfinite(a[:, 1:]) & np.isfinite(a[:, :-1])
-            same = (a[:, 1:] == a[:, :-1]) & ok
-            if ok.sum() == 0:
+            same, pairs = unchanged_top_pairs(a)
+            if pairs == 0:
                 continue
-            same_tot += int(same.sum())
-            pairs_tot += int(ok.sum())
-            per_sample.append(same.sum() / ok.sum())
+            same_tot += same
+            pairs_tot += pairs
+            per_sample.append(same / pairs)
         if pairs_tot:
             rows.append(dict(model=model, n_samples=len(per_sample), n_pairs=pairs_tot,
                              fraction_unchanged=same_tot / pairs_tot,

@@ -133,7 +133,9 @@ def main(argv=None) -> int:
           f"load average {os.getloadavg()[0]:.1f}" + (f"; layers {sorted(whole)} whole (ablation)" if whole else "")
           + (f"; rcr {overrides}" if overrides else ""))
     pages = [int(x) for x in args.page_sizes.split(",")] if args.page_sizes else [None]
-    print(f"{'selected':>8}  {'page':>4}  {'method':<15} {'fidelity [95% CI]':<22} {'exact drift':>11} {'refresh':>7}")
+    pad = " " * 6 if args.page_sizes else ""  # the page column, only when pages are swept
+    print(f"{'selected':>8}  " + ("page  " if pad else "")
+          + f"{'method':<15} {'fidelity [95% CI]':<22} {'exact drift':>11} {'refresh':>7}")
     for k in [int(x) for x in args.selected.split(",")]:
         for page in pages:
             t0 = time.time()
@@ -148,15 +150,15 @@ def main(argv=None) -> int:
                                      log=lambda *a, **k: None)
             a = analyze(rows, reference_metrics=False)
             drift = rows.groupby("method")["mean_drift_exact"].mean()
-            label = "" if page is None else str(page)
+            label = "" if page is None else f"{page:>4}  "
             for _, r in a.methods.set_index("method").loc[methods[1:]].iterrows():
                 ci = f"{r['fidelity']:.3f} [{r['fidelity_ci_low']:.3f}, {r['fidelity_ci_high']:.3f}]"
-                print(f"{k:>8}  {label:>4}  {r.name:<15} {ci:<22} {drift[r.name]:11.3f} {r['refresh_fraction']:7.3f}")
+                print(f"{k:>8}  {label}{r.name:<15} {ci:<22} {drift[r.name]:11.3f} {r['refresh_fraction']:7.3f}")
             if first_page:
                 share = ", ".join(f"layer {i} {np.mean(v):.2f}" for i, v in sorted(first_page.items()))
-                print(f"{'':>8}  {'':>4}  (quest keeps the prompt's first page in: {share})")
+                print(f"{'':>8}  {pad}(quest keeps the prompt's first page in: {share})")
             prefix = rows.loc[rows["method"] == "full", "prefix_len"].to_numpy(float)
-            print(f"{'':>8}  {'':>4}  (valid prefix entries per sample: mean {np.mean(prefix):.0f}; "
+            print(f"{'':>8}  {pad}(valid prefix entries per sample: mean {np.mean(prefix):.0f}; "
                   f"{time.time() - t0:.0f} s)", flush=True)
     return 0
 

@@ -96,7 +96,7 @@ def test_greedy_quality_on_held_out_samples(shipped):
     """A few held-out samples per task; the full bars are printed by jobs/eval_embedded.py."""
     model, processor = shipped
     # the shipped model (run L) scores 0.714 / 0.882 / 0.764 on these samples (0.702 / 0.842 / 0.803 on 100 per
-    # task, docs/embedded.md); untrained weights score < 0.1
+    # task, docs/embedded.md; `pytest -s -k quality` prints them); untrained weights score < 0.1
     floors = {"detailcaps": (4, 0.64), "textcaps": (4, 0.78), "video": (3, 0.66)}
     for task, (n, floor) in floors.items():
         samples = [S.render(task, S.HELDOUT_SEED, i) for i in range(n)]
@@ -106,6 +106,7 @@ def test_greedy_quality_on_held_out_samples(shipped):
             out = model.generate(**inputs, max_new_tokens=DEFAULT_MAX_NEW_TOKENS[task], do_sample=False)
         texts = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         score = np.mean([rouge_l_f1(s[1], t.strip()) for s, t in zip(samples, texts)])
+        print(f"{task}: ROUGE-L {score:.3f} on {n} held-out samples (floor {floor})")  # shown by pytest -s
         assert score >= floor, (task, score, texts[0])
 
 

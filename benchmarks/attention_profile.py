@@ -17,6 +17,7 @@ averaged over answer steps and samples:
 
     python benchmarks/attention_profile.py                               # the embedded model, 4 detailcaps samples
     python benchmarks/attention_profile.py --model /tmp/peek --layout v3 --n 8
+    python benchmarks/attention_profile.py --per-head     # also one row per KV head (its group of query heads)
 
 A sliding-window layer is marked ``local``: it keeps its window and no method re-selects it.
 """
@@ -75,8 +76,12 @@ def flat_tokens(frame: np.ndarray, grid_thw: torch.Tensor, patch: int = 28) -> t
     return torch.from_numpy((blocks == blocks[:, :1, :, :1]).all(axis=(1, 3, 4)).reshape(-1))
 
 
-def profile(model, processor, task: str, layout: str, n: int, selected: int, max_new_tokens: int) -> list[dict]:
+def profile(model, processor, task: str, layout: str, n: int, selected: int, max_new_tokens: int,
+            per_head: bool = False) -> list[dict]:
+    """Per layer, the figures of ``layer_profile`` averaged over samples; with ``per_head`` each layer's dict also
+    holds ``"heads"``: the same figures for each KV head on its own (its G query heads)."""
     geo = geometry(model)
+    group = geo.n_q_heads // geo.n_kv_heads
     image_ids = {model.config.image_token_id, model.config.video_token_id}
     rows: list[list[dict]] = []
     for i in range(n):
@@ -92,9 +97,25 @@ def profile(model, processor, task: str, layout: str, n: int, selected: int, max
         if task != "video" and "image_grid_thw" in inputs:
             flat = torch.zeros_like(image)
             flat[image] = flat_tokens(frames[0], inputs["image_grid_thw"][0])
-        rows.append([layer_profile(a[0], n_prompt, image, geo.n_kv_heads, selected, flat) for a in attn])
-    n_layers = len(rows[0])
-    return [{k: float(np.nanmean([r[layer][k] for r in rows])) for k in rows[0][layer]} for layer in range(n_layers)]
+        per_layer = []
+        for a in attn:
+            r = layer_profile(a[0], n_prompt, image, geo.n_kv_heads, selected, flat)
+            if per_head:
+                r["heads"] = [layer_profile(a[0, h * group:(h + 1) * group], n_prompt, image, 1, selected, flat)
+                              for h in range(geo.n_kv_heads)]
+            per_layer.append(r)
+        rows.append(per_layer)
+
+    def mean(dicts: list[dict]) -> dict:
+        return {k: float(np.nanmean([d[k] for d in dicts])) for k in dicts[0] if k != "heads"}
+
+    out = []
+    for layer in range(len(rows[0])):
+        r = mean([s[layer] for s in rows])
+        if per_head:
+            r["heads"] = [mean([s[layer]["heads"][h] for s in rows]) for h in range(geo.n_kv_heads)]
+        out.append(r)
+    return out
 
 
 def main(argv=None) -> None:
@@ -106,20 +127,23 @@ def main(argv=None) -> None:
     ap.add_argument("--selected", type=int, default=32, help="the selection budget S for the top-S share (32)")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--per-head", action="store_true", help="also a row per KV head under each layer")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, processor = load(args.model)
     model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path
     geo = geometry(model)
-    layers = profile(model, processor, args.task, args.layout, args.n, args.selected, args.max_new_tokens)
+    layers = profile(model, processor, args.task, args.layout, args.n, args.selected, args.max_new_tokens,
+                     args.per_head)
     print(f"{args.model} | {args.task}, layout {args.layout}, {args.n} held-out samples | "
           f"load average {os.getloadavg()[0]:.2f}, {args.threads} thread(s)")
     top = f"top-{args.selected}"
     print(f"{'layer':>5}  {'kind':<6} {'prefix':>7} {'image':>7} {'flat':>7} {top:>7} {'entries':>8} {'dwell':>7}")
     for i, r in enumerate(layers):
         kind = "local" if geo.sliding_windows[i] is not None else "global"
-        print(f"{i:>5}  {kind:<6} {r['prefix']:7.3f} {r['image']:7.3f} {r['flat']:7.3f} {r['top']:7.3f} "
-              f"{r['entries']:8.1f} {r['dwell']:7.3f}")
+        for name, k, row in [(f"{i}", kind, r)] + [(f"kv{h}", "", x) for h, x in enumerate(r.get("heads", []))]:
+            print(f"{name:>5}  {k:<6} {row['prefix']:7.3f} {row['image']:7.3f} {row['flat']:7.3f} {row['top']:7.3f} "
+                  f"{row['entries']:8.1f} {row['dwell']:7.3f}")
     treated = [r for i, r in enumerate(layers) if geo.sliding_windows[i] is None]
     print(f"re-selected layers: mean top-{args.selected} share {np.mean([r['top'] for r in treated]):.3f}, "
           f"dwell {np.mean([r['dwell'] for r in treated]):.3f}")

@@ -183,6 +183,26 @@ def test_the_shipped_model_reads_its_scenes(shipped):
     assert scored >= 6 and correct / scored > max(0.8, 2 * chance), res
 
 
+def test_detector_probe_measures_what_the_candidate_pass_keeps(shipped):
+    """benchmarks/detector_probe.py: with every prefix entry a candidate, the re-selection from the candidates is
+    the exact one (recall 1 in every layer and head, the most-read entry always a candidate); at the default 128
+    candidates of a rank-8 detector, the shipped model's attention sink (prompt position 1) has a key mostly
+    outside the detector's basis in layer 2 and is then often not a candidate (docs/embedded.md, "run M")."""
+    from benchmarks.detector_probe import probe
+    from rcr.config import RCRConfig
+
+    model, processor = shipped
+    every = probe(model, processor, RCRConfig(candidates=400), "detailcaps", S.DEFAULT_LAYOUT, 1, 64)
+    for heads in every[1:]:  # layer 0 is the local layer
+        for r in heads:
+            assert r["recall"] == pytest.approx(1.0) and r["cand"] == 1.0, every
+    default = probe(model, processor, RCRConfig(), "detailcaps", S.DEFAULT_LAYOUT, 1, 64)
+    layer2 = default[2]
+    assert all(r["top"] == 1 for r in layer2), layer2  # the sink is what layer 2 reads most
+    assert min(r["in_basis"] for r in layer2) < 0.5 and min(r["cand"] for r in layer2) < 0.8, layer2
+    assert all(r["recall"] <= 1.0 + 1e-6 for heads in default for r in heads)
+
+
 def test_training_resumes_exactly(tmp_path):
     """Seeded data + checkpoints: 2 steps, interrupt, 2 more == 4 steps straight."""
     common = ["--size", "tiny", "--steps", "4", "--threads", "1", "--warmup", "2", "--batch-scale", "0.25"]

@@ -76,6 +76,27 @@ def flat_tokens(frame: np.ndarray, grid_thw: torch.Tensor, patch: int = 28) -> t
     return torch.from_numpy((blocks == blocks[:, :1, :, :1]).all(axis=(1, 3, 4)).reshape(-1))
 
 
+def held_out_answers(model, processor, task: str, layout: str, n: int, max_new_tokens: int):
+    """The first n held-out samples of a task: (frames, processor inputs (batch 1), greedy answer ids (1, T)) each."""
+    for i in range(n):
+        frames, _ = S.render(task, S.HELDOUT_SEED, i, layout=layout)
+        inputs = build_inputs(processor, [S.PROMPTS[task]], [[Image.fromarray(f) for f in frames]],
+                              video=task == "video")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        yield frames, inputs, out[:, inputs["input_ids"].shape[1]:]
+
+
+def sample_args(ap: argparse.ArgumentParser, n: int) -> None:
+    """The arguments of a probe over held-out samples: model, layout, task, n, answer length, threads."""
+    ap.add_argument("--model", default="embedded", help="a model directory, a Hub id, or 'embedded' (default)")
+    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS), help="synthetic scene layout")
+    ap.add_argument("--task", default="detailcaps", choices=S.TASKS)
+    ap.add_argument("--n", type=int, default=n, help=f"held-out samples (default {n})")
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+
+
 def profile(model, processor, task: str, layout: str, n: int, selected: int, max_new_tokens: int,
             per_head: bool = False) -> list[dict]:
     """Per layer, the figures of ``layer_profile`` averaged over samples; with ``per_head`` each layer's dict also
@@ -84,14 +105,10 @@ def profile(model, processor, task: str, layout: str, n: int, selected: int, max
     group = geo.n_q_heads // geo.n_kv_heads
     image_ids = {model.config.image_token_id, model.config.video_token_id}
     rows: list[list[dict]] = []
-    for i in range(n):
-        frames, _ = S.render(task, S.HELDOUT_SEED, i, layout=layout)
-        pil = [Image.fromarray(f) for f in frames]
-        inputs = build_inputs(processor, [S.PROMPTS[task]], [pil], video=task == "video")
+    for frames, inputs, answer in held_out_answers(model, processor, task, layout, n, max_new_tokens):
         n_prompt = inputs["input_ids"].shape[1]
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-            attn = model(**with_answer(inputs, out[:, n_prompt:]), output_attentions=True).attentions
+            attn = model(**with_answer(inputs, answer), output_attentions=True).attentions
         image = torch.tensor([int(t) in image_ids for t in inputs["input_ids"][0]])
         flat = None
         if task != "video" and "image_grid_thw" in inputs:
@@ -120,13 +137,8 @@ def profile(model, processor, task: str, layout: str, n: int, selected: int, max
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded", help="a model directory, a Hub id, or 'embedded' (default)")
-    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS), help="synthetic scene layout")
-    ap.add_argument("--task", default="detailcaps", choices=S.TASKS)
-    ap.add_argument("--n", type=int, default=4, help="held-out samples (default 4)")
+    sample_args(ap, n=4)
     ap.add_argument("--selected", type=int, default=32, help="the selection budget S for the top-S share (32)")
-    ap.add_argument("--max-new-tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--per-head", action="store_true", help="also a row per KV head under each layer")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -30,18 +30,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from transformers import BatchFeature
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipeline.data import synthetic as S  # noqa: E402
+from benchmarks.attention_profile import held_out_answers, sample_args  # noqa: E402
 from rcr.config import RCRConfig  # noqa: E402
 from rcr.detector import Detector  # noqa: E402
 from rcr.generate import prefill  # noqa: E402
-from rcr.models import build_inputs, geometry, load, with_answer  # noqa: E402
+from rcr.models import geometry, load, with_answer  # noqa: E402
 from rcr.scoring import reduce_heads, top_sorted  # noqa: E402
 
 
@@ -73,13 +72,8 @@ def probe(model, processor, cfg: RCRConfig, task: str, layout: str, n: int, max_
     geo = geometry(model)
     G = geo.n_q_heads // geo.n_kv_heads
     rows: list[list[list[dict]]] = []
-    for i in range(n):
-        frames, _ = S.render(task, S.HELDOUT_SEED, i, layout=layout)
-        inputs = build_inputs(processor, [S.PROMPTS[task]], [[Image.fromarray(f) for f in frames]],
-                              video=task == "video")
-        n_prompt = inputs["input_ids"].shape[1]
+    for _, inputs, answer in held_out_answers(model, processor, task, layout, n, max_new_tokens):
         with torch.no_grad():
-            answer = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)[:, n_prompt:]
             # prompt + answer, with the window widened by the answer: the prefix region is the decode's (the prompt
             # less its last ``cfg.window`` tokens) and the window's last T queries are the answer steps'
             T = answer.shape[1]
@@ -105,12 +99,7 @@ def probe(model, processor, cfg: RCRConfig, task: str, layout: str, n: int, max_
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="embedded", help="a model directory, a Hub id, or 'embedded' (default)")
-    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS), help="synthetic scene layout")
-    ap.add_argument("--task", default="detailcaps", choices=S.TASKS)
-    ap.add_argument("--n", type=int, default=3, help="held-out samples (default 3)")
-    ap.add_argument("--max-new-tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    sample_args(ap, n=3)
     ap.add_argument("--selected", type=int, default=RCRConfig.selected)
     ap.add_argument("--candidates", type=int, default=RCRConfig.candidates)
     ap.add_argument("--rank", type=int, default=RCRConfig.rank, help="the detector's rank")

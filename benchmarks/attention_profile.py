@@ -14,6 +14,9 @@ averaged over answer steps and samples:
 * ``entries``: the effective number of prefix entries attended, exp(entropy) of the prefix distribution;
 * ``dwell``: how often the most-attended prefix position (mean over heads, as the pipeline's ``top_prefix_pos``)
   is unchanged from the previous step; the paper measures 41% (Qwen2-VL) to 80% (LLaVA-NeXT) over all layers.
+* ``cell`` (detailcaps on a layout that describes every cell): the share of a step's image mass on the cell its
+  description is at (the last "row .. , column .." written), against ``1 / cells`` for attention that ignores
+  where the description is. A model that reads what it writes puts most of its image mass there.
 
     python benchmarks/attention_profile.py                               # the embedded model, 4 detailcaps samples
     python benchmarks/attention_profile.py --model /tmp/peek --layout v3 --n 8
@@ -42,10 +45,11 @@ from rcr.models import build_inputs, geometry, load, with_answer  # noqa: E402
 
 
 def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: int, selected: int,
-                  flat: torch.Tensor | None = None) -> dict:
+                  flat: torch.Tensor | None = None, at_cell: torch.Tensor | None = None) -> dict:
     """One layer's figures from its attention ``attn`` (H, T, T) of one sample; answer queries are rows
     ``n_prompt - 1 ..`` (the step that writes answer token k reads position n_prompt + k - 1). ``image`` and
-    ``flat`` are (N,) masks over the prompt positions."""
+    ``flat`` are (N,) masks over the prompt positions; ``at_cell`` (steps, N) marks each step's described cell
+    (no position on a step before the first cell is named)."""
     a = attn[:, n_prompt - 1:-1].double()  # (H, steps, T): the queries that produced answer tokens
     pre = a[..., :n_prompt]  # (H, steps, N)
     mass = pre.sum(-1)  # (H, steps)
@@ -62,7 +66,56 @@ def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: 
         "top": top.mean().item(),
         "entries": entries.mean().item(),
         "dwell": (argmax[1:] == argmax[:-1]).double().mean().item() if len(argmax) > 1 else float("nan"),
+        "cell": cell_share(pre, image, at_cell),
     }
+
+
+def cell_share(pre: torch.Tensor, image: torch.Tensor, at_cell: torch.Tensor | None) -> float:
+    """Mean over steps that are at a cell of the share of their image mass on it; ``pre`` (H, steps, N)."""
+    if at_cell is None:
+        return float("nan")
+    steps = at_cell.any(-1)  # (steps,)
+    on_cell = (pre * at_cell).sum(-1)[:, steps]  # (H, steps at a cell)
+    on_image = pre[..., image].sum(-1)[:, steps].clamp_min(1e-12)
+    return (on_cell / on_image).mean().item() if steps.any() else float("nan")
+
+
+def described_cells(words: list[str]) -> list[tuple[int, int] | None]:
+    """Per answer word k, the (row, column) that the words before it last named ("In row two , column three ,"
+    -> (1, 2) from the word after "three" on); None before the first. The step that writes word k reads them."""
+    number = {w: i for i, w in enumerate(S.NUMBER_WORDS)}
+    out, row, cell = [], None, None
+    for k, w in enumerate(words):
+        out.append(cell)
+        if k and w in number and words[k - 1] == "row":
+            row = number[w]
+        elif k and w in number and words[k - 1] == "column" and row is not None:
+            cell = (row, number[w])
+    return out
+
+
+def cell_masks(words: list[str], lay: S.SceneLayout, image: torch.Tensor, grid_thw: torch.Tensor,
+               patch: int = 28) -> torch.Tensor:
+    """(steps, N) bool: per answer step, the prompt's image tokens (merged, raster order; ``image`` marks them)
+    whose ``patch`` px block lies in the step's described cell."""
+    cells = torch.from_numpy(token_cells(lay, grid_thw, patch))  # (h * w,)
+    masks = torch.zeros(len(words), len(image), dtype=torch.bool)
+    where = image.nonzero().squeeze(-1)  # (h * w,) prompt positions of the image tokens
+    for k, cell in enumerate(described_cells(words)):
+        if cell is not None:
+            masks[k, where[cells == cell[0] * lay.cols + cell[1]]] = True
+    return masks
+
+
+def token_cells(lay: S.SceneLayout, grid_thw, patch: int = 28) -> np.ndarray:
+    """(tokens,) the cell index (row * cols + col) of each merged visual token (raster order), from the cell of
+    its top-left pixel; the layout's cells are whole tokens."""
+    _, gh, gw = (int(x) for x in grid_thw)
+    h, w = gh // 2, gw // 2
+    if (h * patch, w * patch) != (lay.height, lay.width):
+        raise ValueError(f"{h * patch}x{w * patch} px of tokens for a {lay.height}x{lay.width} layout")
+    rows, cols = np.divmod(np.arange(h * w), w)
+    return (rows * patch // lay.cell) * lay.cols + cols * patch // lay.cell
 
 
 def flat_tokens(frame: np.ndarray, grid_thw: torch.Tensor, patch: int = 28) -> torch.Tensor:
@@ -110,16 +163,19 @@ def profile(model, processor, task: str, layout: str, n: int, selected: int, max
         with torch.no_grad():
             attn = model(**with_answer(inputs, answer), output_attentions=True).attentions
         image = torch.tensor([int(t) in image_ids for t in inputs["input_ids"][0]])
-        flat = None
+        flat = at_cell = None
         if task != "video" and "image_grid_thw" in inputs:
             flat = torch.zeros_like(image)
             flat[image] = flat_tokens(frames[0], inputs["image_grid_thw"][0])
+        if task == "detailcaps" and S.get_layout(layout).every_cell:
+            words = processor.tokenizer.convert_ids_to_tokens(answer[0].tolist())
+            at_cell = cell_masks(words, S.get_layout(layout), image, inputs["image_grid_thw"][0])
         per_layer = []
         for a in attn:
-            r = layer_profile(a[0], n_prompt, image, geo.n_kv_heads, selected, flat)
+            r = layer_profile(a[0], n_prompt, image, geo.n_kv_heads, selected, flat, at_cell)
             if per_head:
-                r["heads"] = [layer_profile(a[0, h * group:(h + 1) * group], n_prompt, image, 1, selected, flat)
-                              for h in range(geo.n_kv_heads)]
+                r["heads"] = [layer_profile(a[0, h * group:(h + 1) * group], n_prompt, image, 1, selected, flat,
+                                            at_cell) for h in range(geo.n_kv_heads)]
             per_layer.append(r)
         rows.append(per_layer)
 
@@ -150,12 +206,16 @@ def main(argv=None) -> None:
     print(f"{args.model} | {args.task}, layout {args.layout}, {args.n} held-out samples | "
           f"load average {os.getloadavg()[0]:.2f}, {args.threads} thread(s)")
     top = f"top-{args.selected}"
-    print(f"{'layer':>5}  {'kind':<6} {'prefix':>7} {'image':>7} {'flat':>7} {top:>7} {'entries':>8} {'dwell':>7}")
+    lay = S.get_layout(args.layout)
+    cells = args.task == "detailcaps" and lay.every_cell
+    chance = f"cell (chance {1 / (lay.rows * lay.cols):.3f})" if cells else "cell"
+    print(f"{'layer':>5}  {'kind':<6} {'prefix':>7} {'image':>7} {'flat':>7} {top:>7} {'entries':>8} {'dwell':>7}  "
+          f"{chance}")
     for i, r in enumerate(layers):
         kind = "local" if geo.sliding_windows[i] is not None else "global"
         for name, k, row in [(f"{i}", kind, r)] + [(f"kv{h}", "", x) for h, x in enumerate(r.get("heads", []))]:
             print(f"{name:>5}  {k:<6} {row['prefix']:7.3f} {row['image']:7.3f} {row['flat']:7.3f} {row['top']:7.3f} "
-                  f"{row['entries']:8.1f} {row['dwell']:7.3f}")
+                  f"{row['entries']:8.1f} {row['dwell']:7.3f}  {row['cell']:7.3f}")
     treated = [r for i, r in enumerate(layers) if geo.sliding_windows[i] is None]
     print(f"re-selected layers: mean top-{args.selected} share {np.mean([r['top'] for r in treated]):.3f}, "
           f"dwell {np.mean([r['dwell'] for r in treated]):.3f}")

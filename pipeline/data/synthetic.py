@@ -79,6 +79,12 @@ class SceneLayout:
     # how far a textured canvas departs from flat grey: 0 is its flat twin, 1 the full texture. Only training
     # sets it below 1 (jobs/train_embedded.py ramps it up, so that reading learnt on flat grey carries over)
     canvas_strength: float = 1.0
+    # a textured canvas lit by position: brighter down the image and warmer to the right (``_light``), so that a
+    # visual token's own pixels say where it is. Qwen2-VL's vision tower has no absolute position embedding and
+    # its decoder sees an image token's place only through M-RoPE, relative to the query's own position; a
+    # description step that names "row two , column three" then has no content to match, and the v4-trained
+    # models spread their image attention over every cell alike (docs/embedded.md, round 9)
+    lit: bool = False
 
     @property
     def height(self) -> int:
@@ -101,6 +107,9 @@ LAYOUTS = {
     # v3's scenes (the same objects for the same index) on a textured canvas
     "v4": SceneLayout("v4", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True,
                       textured=True),
+    # v4's scenes on a canvas lit by position (the same objects and texture draws for the same index)
+    "v5": SceneLayout("v5", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True,
+                      textured=True, lit=True),
 }
 DEFAULT_LAYOUT = "v4"  # what the shipped model was trained on; flips with the model it belongs to
 FRAME_SIZE = 168  # 12x12 patches -> 6x6 = 36 merged tokens per temporal patch
@@ -250,15 +259,27 @@ def _render_grid(rng: np.random.Generator, cells: dict[int, SceneObject], lay: S
         _paint(img, cx, cy, obj, radius, phase=int(rng.integers(8)))
     if lay.textured:  # drawn after the objects, so a v4 scene's objects are its v3 twin's
         empty = (img == np.array(BACKGROUND, dtype=np.uint8)).all(-1)
-        img[empty] = _canvas(rng, img.shape[0], img.shape[1], lay.canvas_strength)[empty]
+        img[empty] = _canvas(rng, img.shape[0], img.shape[1], lay.canvas_strength, lit=lay.lit)[empty]
     return img
 
 
-def _canvas(rng: np.random.Generator, height: int, width: int, strength: float = 1.0,
+def _light(height: int, width: int) -> np.ndarray:
+    """(H, W, 3) float: a lit canvas's departure from grey by position alone: brightness from -50 at the top row
+    to +50 at the bottom, and warmth (red up, blue down) from -30 at the left edge to +30 at the right. Adjacent
+    cells of v5 (112 px) differ by 20 in brightness or 30 in red - blue, more than the halved texture's +-20."""
+    y = (np.arange(height) + 0.5) / height - 0.5  # (H,) in (-0.5, 0.5)
+    x = (np.arange(width) + 0.5) / width - 0.5  # (W,)
+    bright = 100.0 * y[:, None] + np.zeros((1, width))
+    warm = 60.0 * x[None, :] + np.zeros((height, 1))
+    return np.stack([bright + warm, bright, bright - warm], axis=-1)
+
+
+def _canvas(rng: np.random.Generator, height: int, width: int, strength: float = 1.0, lit: bool = False,
             step: int = 40) -> np.ndarray:
     """(H, W, 3) uint8: per channel, grey 128 +- 40 on a coarse grid every ``step`` px, interpolated bilinearly
     (low saturation: the channels drift apart by at most 80 of 255 before the grain), plus +-10 grain per pixel;
-    the departure from grey scaled by ``strength``. The random draws do not depend on ``strength``."""
+    ``lit``: the coarse field halved and ``_light`` added. The departure from grey is scaled by ``strength``.
+    The random draws depend on neither ``strength`` nor ``lit``."""
     gh, gw = height // step + 2, width // step + 2
     coarse = rng.uniform(88.0, 168.0, size=(gh, gw, 3))
     y = np.arange(height) / step
@@ -267,7 +288,10 @@ def _canvas(rng: np.random.Generator, height: int, width: int, strength: float =
     fy, fx = (y - y0)[:, None, None], (x - x0)[None, :, None]
     top = coarse[y0][:, x0] * (1 - fx) + coarse[y0][:, x0 + 1] * fx
     bottom = coarse[y0 + 1][:, x0] * (1 - fx) + coarse[y0 + 1][:, x0 + 1] * fx
-    field = top * (1 - fy) + bottom * fy + rng.uniform(-10.0, 10.0, size=(height, width, 3))
+    smooth = top * (1 - fy) + bottom * fy
+    if lit:
+        smooth = 128.0 + 0.5 * (smooth - 128.0) + _light(height, width)
+    field = smooth + rng.uniform(-10.0, 10.0, size=(height, width, 3))
     field = 128.0 + strength * (field - 128.0)
     return np.clip(np.rint(field), 0, 255).astype(np.uint8)
 

@@ -156,6 +156,45 @@ def test_reading_probe_scores_only_the_words_the_image_tells():
         "size": ["small"], "colour": ["green"], "texture": ["striped"], "shape": ["diamond"]}
 
 
+def test_attention_profile_finds_the_described_cells_tokens():
+    """benchmarks/attention_profile.py, column `cell`: each answer step's described cell is the one named last
+    before it, its tokens are the cell's 4 x 4 block of v4's 20 x 16 token grid, and the share is 1 for attention
+    on that block alone and 1 / 20 for attention spread evenly over the image."""
+    from benchmarks.attention_profile import cell_masks, cell_share, described_cells
+
+    text = "In row one , column one , a big red plain circle . In row two , column three , nothing ."
+    words = text.split(" ")
+    cells = described_cells(words)
+    assert cells[:6] == [None] * 6 and cells[6:19] == [(0, 0)] * 13 and cells[19:] == [(1, 2)] * 3
+    lay = S.get_layout("v4")
+    image = torch.tensor([False] * 2 + [True] * 320 + [False] * 3)  # system text, image tokens, question
+    masks = cell_masks(words, lay, image, torch.tensor([1, 40, 32]))
+    want = {2 + r * 16 + c for r in range(4, 8) for c in range(8, 12)}  # row 2, column 3: tokens 4-7 x 8-11
+    assert set(masks[-1].nonzero().squeeze(-1).tolist()) == want and not masks[:6].any()
+    on_cell = masks.double().expand(2, -1, -1)  # (H, steps, N): 2 heads on the described cell only
+    assert cell_share(on_cell, image, masks) == pytest.approx(1.0)
+    assert cell_share(image.double().expand(2, len(words), -1), image, masks) == pytest.approx(1 / 20)
+    with pytest.raises(ValueError, match="layout"):
+        cell_masks(words, lay, image, torch.tensor([1, 24, 24]))
+
+
+def test_position_probe_reads_cells_only_from_features_that_hold_them():
+    """benchmarks/position_probe.py: v4's tokens map to their 4 x 4 cell blocks, and the linear probe names the
+    cell of held-out tokens whose features encode it and not of tokens whose features are noise."""
+    from benchmarks.attention_profile import token_cells
+    from benchmarks.position_probe import probe_accuracy
+
+    cells = token_cells(S.get_layout("v4"), torch.tensor([1, 40, 32]))
+    assert cells.shape == (320,) and cells[0] == 0 and cells[4] == 1 and cells[16 * 4] == 4 and cells[-1] == 19
+    rng = np.random.default_rng(0)
+    y = np.tile(cells, 4)
+    coded = np.eye(20)[y] * 6 + rng.normal(size=(len(y), 20))  # (tokens, 20): the cell plus noise
+    noise = rng.normal(size=(len(y), 20))
+    split = 3 * 320
+    assert probe_accuracy(coded[:split], y[:split], coded[split:], y[split:], 20) > 0.9
+    assert probe_accuracy(noise[:split], y[:split], noise[split:], y[split:], 20) < 0.15
+
+
 def test_quality_gap_counts_only_the_masked_classes_mistakes():
     """benchmarks/quality_gap.py: masking every attribute class forgives exactly the attribute mistakes, and with
     one class unmasked only that class's mistakes count."""

@@ -167,6 +167,37 @@ def test_canvas_strength_fades_v4_toward_its_flat_twin():
         S.render("textcaps", 0, 0, layout="v4", canvas_strength=1.5)
 
 
+def _cell_canvas(img: np.ndarray, empty: np.ndarray, lay: S.SceneLayout) -> np.ndarray:
+    """(rows, cols, 2): mean brightness and red - blue of each cell's empty-canvas pixels."""
+    out = np.zeros((lay.rows, lay.cols, 2))
+    for r in range(lay.rows):
+        for c in range(lay.cols):
+            sl = np.s_[r * lay.cell:(r + 1) * lay.cell, c * lay.cell:(c + 1) * lay.cell]
+            px = img[sl][empty[sl]].astype(float)
+            out[r, c] = px.mean(), (px[:, 0] - px[:, 2]).mean()
+    return out
+
+
+@pytest.mark.parametrize("task", ["detailcaps", "textcaps"])
+def test_v5_canvas_says_where_a_token_is(task):
+    """v5: v4's objects and text for the same index, on a canvas lit by position. Every cell's empty canvas is
+    brighter than the cell above it and warmer (red - blue) than the cell to its left, by more than the texture
+    varies from scene to scene, so a token's own pixels place its cell; v4's canvas does not."""
+    lay = S.get_layout("v5")
+    for i in range(3):
+        (a,), text4 = S.render(task, 3, i, layout="v4")
+        (b,), text5 = S.render(task, 3, i, layout="v5")
+        (flat,), _ = S.render(task, 3, i, layout="v3")
+        assert text5 == text4
+        empty = (flat == np.array(S.BACKGROUND)).all(-1)
+        assert np.array_equal(a[~empty], b[~empty])
+        lit, plain = _cell_canvas(b, empty, lay), _cell_canvas(a, empty, lay)
+        assert (np.diff(lit[..., 0], axis=0) > 8).all() and (np.diff(lit[..., 1], axis=1) > 8).all()
+        assert not (np.diff(plain[..., 0], axis=0) > 8).all()
+        # training's fade: at strength 0 the light goes with the texture
+        assert np.array_equal(S.render(task, 3, i, layout="v5", canvas_strength=0.0)[0][0], flat)
+
+
 def test_layouts_keep_video_and_tag_sample_ids():
     assert S.render("video", 0, 3, layout="v1")[1] == S.render("video", 0, 3, layout="v3")[1]
     assert S.make_record("detailcaps", 0, 1, layout="v2")["sample_id"] == "synthetic-v2-detailcaps-s0-0000001"

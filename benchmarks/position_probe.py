@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     model, processor = load(args.model)
     lay = S.get_layout(args.layout)
-    per_layer: list[list[np.ndarray]] = []  # [layer][scene] (tokens, hidden)
+    per_scene: list[list[np.ndarray]] = []  # [scene][layer] (tokens, hidden)
     cells = []
     for i in range(args.n):
         frames, _ = S.render("detailcaps", S.HELDOUT_SEED, i, layout=args.layout)
@@ -64,17 +64,14 @@ def main(argv=None) -> None:
         with torch.no_grad():
             hidden = model(**inputs, output_hidden_states=True).hidden_states  # (layers + 1) x (1, T, D)
         image = inputs["input_ids"][0] == model.config.image_token_id
-        for layer, h in enumerate(hidden[:-1]):  # the input of each decoder layer
-            if len(per_layer) <= layer:
-                per_layer.append([])
-            per_layer[layer].append(h[0, image].float().numpy())
+        per_scene.append([h[0, image].float().numpy() for h in hidden[:-1]])  # the input of each decoder layer
         cells.append(token_cells(lay, inputs["image_grid_thw"][0]))
     n_cells = lay.rows * lay.cols
     y_train, y_test = np.concatenate(cells[:args.train]), np.concatenate(cells[args.train:])
     print(f"{args.model} | layout {args.layout}, {args.n} held-out scenes ({args.train} to fit) | "
           f"load average {os.getloadavg()[0]:.2f}, {args.threads} thread(s)")
     print(f"image tokens' cell read back by a linear probe (chance {1 / n_cells:.3f})")
-    for layer, scenes in enumerate(per_layer):
+    for layer, scenes in enumerate(zip(*per_scene)):  # [scene] (tokens, hidden) of one layer
         acc = probe_accuracy(np.concatenate(scenes[:args.train]), y_train, np.concatenate(scenes[args.train:]),
                              y_test, n_classes=n_cells)
         print(f"  input of layer {layer}: {acc:.3f}")

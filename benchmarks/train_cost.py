@@ -39,7 +39,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     print(f"load average before: {os.getloadavg()[0]:.2f}; torch threads {args.threads}; "
           f"recipe --size {targs.size} --layout {targs.layout} --steps {targs.steps}"
-          f"{' --hold-sink' if targs.hold_sink else ''}", flush=True)
+          f"{' --hold-sink' if targs.hold_sink else ''}"
+          f"{f' --vision-steps {targs.vision_steps}' if targs.vision_steps else ''}", flush=True)
 
     tok = T.build_tokenizer()
     processor = T.build_processor(tok)
@@ -59,6 +60,20 @@ def main(argv=None) -> None:
     step(0)  # untimed: first-call allocations
     lo, total = 0, 0.0
     print(f"{'phase':>12}  {'steps':>6}  {'s/step':>7}  {'min':>6}")
+    if targs.vision_steps:  # --vision-steps: the vision stage runs first (never resumed here, nothing written)
+        pre = T.VisionPretrainer(argparse.Namespace(**{**vars(targs), "fresh": True}), model, Path(os.devnull), "cpu")
+
+        def vision_step(s: int) -> float:
+            t0 = time.perf_counter()
+            pre.step = s
+            pre.train_step(T.Meter())
+            return time.perf_counter() - t0
+
+        vision_step(0)
+        mean = float(np.mean([vision_step(int(s)) for s in np.linspace(0, targs.vision_steps - 1, args.per_phase)]))
+        total += mean * targs.vision_steps
+        print(f"{'vision':>12}  {targs.vision_steps:>6}  {mean:>7.2f}  {mean * targs.vision_steps / 60:>6.1f}",
+              flush=True)
     for until, *_ in T.CURRICULUM:
         hi = min(targs.steps, int(round(until * targs.steps)))
         picks = np.linspace(lo, hi - 1, args.per_phase).round().astype(int)

@@ -195,6 +195,43 @@ def test_position_probe_reads_cells_only_from_features_that_hold_them():
     assert probe_accuracy(noise[:split], y[:split], noise[split:], y[split:], 20) < 0.15
 
 
+def test_position_probe_takes_the_steps_that_must_read_their_cell():
+    """position_probe's queries' side: the steps that write an attribute word nothing before it announced, each
+    labelled with the cell being described; announced colours and shapes, "nothing" and the template are left out."""
+    from benchmarks.position_probe import attribute_steps
+
+    text = ("In row one , column one , a big red dotted circle , left of the blue square . In row one , column two "
+            ", a small blue plain square . In row one , column three , nothing .")
+    words = text.split()
+    ks, cells = attribute_steps(words, S.get_layout("v4"))
+    assert [words[k] for k in ks] == ["big", "red", "dotted", "circle", "small", "plain"]
+    assert cells == [0, 0, 0, 0, 1, 1]
+
+
+def test_attribute_probe_labels_each_object_token_with_its_object():
+    """benchmarks/attribute_probe.py keeps the tokens that cover part of an object (on the flat twin) and labels
+    each with its own object: the token's pixels show that object's colour (or its pattern's dark shade)."""
+    from benchmarks.attention_profile import token_cells
+    from benchmarks.attribute_probe import cell_objects, object_token_labels
+
+    lay = S.get_layout("v4")
+    frames, text = S.render("detailcaps", S.HELDOUT_SEED, 2, layout="v4")
+    twin, _ = S.render("detailcaps", S.HELDOUT_SEED, 2, layout="v4", canvas_strength=0.0)
+    objects = cell_objects(text, lay)
+    assert len(objects) == text.count(" a ") and all(len(v) == 4 for v in objects.values())
+    grid = torch.tensor([1, 2 * lay.height // 28, 2 * lay.width // 28])
+    keep, labels = object_token_labels(text, lay, twin[0], grid)
+    assert 4 * len(objects) <= keep.sum() <= 16 * len(objects)
+    h, w = lay.height // 28, lay.width // 28
+    blocks = frames[0].reshape(h, 28, w, 28, 3).transpose(0, 2, 1, 3, 4).reshape(h * w, 28 * 28, 3)  # token order
+    colours = list(S.COLOURS)
+    for block, c in zip(blocks[keep], labels["colour"]):
+        rgb = np.array(S.COLOURS[colours[c]])
+        assert ((block == rgb).all(1) | (block == (rgb * 0.3).astype(np.uint8)).all(1)).any()
+    cells = token_cells(lay, grid)
+    assert set(cells[keep]) == set(objects)  # every object has tokens, and no empty cell does
+
+
 def test_quality_gap_counts_only_the_masked_classes_mistakes():
     """benchmarks/quality_gap.py: masking every attribute class forgives exactly the attribute mistakes, and with
     one class unmasked only that class's mistakes count."""
@@ -260,6 +297,70 @@ def test_training_resumes_exactly(tmp_path):
     assert Qwen2VLForConditionalGeneration.from_pretrained(str(a / "model")).config.model_type == "qwen2_vl"
     assert AutoProcessor.from_pretrained(str(a / "model")).tokenizer.eos_token == "<|im_end|>"
 
+
+
+def test_vision_batches_label_the_object_they_draw():
+    """--vision-steps' scenes (T.vision_batch): one object each, labelled with the size and colour its pixels
+    show, the same for the same (seed, step) and apart from the main stage's scenes."""
+    pix, grid, labels = T.vision_batch(0, 3, "v4", n=6)
+    again = T.vision_batch(0, 3, "v4", n=6)
+    assert torch.equal(pix, again[0]) and torch.equal(labels, again[2])
+    assert labels.shape == (6, len(T.VISION_ATTRIBUTES)) and grid.shape == (6, 3)
+    names = list(T.VISION_ATTRIBUTES)
+    for i, row in enumerate(labels.tolist()):
+        frames, text = S.render("detailcaps", 0, T.VISION_INDEX_BASE + 3 * 64 + i, n_objects=1,
+                                layout=(T.BOOTSTRAP_LAYOUT, "v4")[i % 2])
+        img = frames[0].reshape(-1, 3).astype(int)
+        colour = np.array(S.COLOURS[T.VISION_ATTRIBUTES["colour"][row[names.index("colour")]]])
+        painted = (img == colour).all(1) | (img == (colour * 0.3).astype(int)).all(1)  # its colour or its pattern
+        # a big object (radius 22 px) covers at least ~870 px (a triangle), a small one (13 px) at most ~530
+        big = T.VISION_ATTRIBUTES["size"][row[names.index("size")]] == "big"
+        assert (painted.sum() > 700) == big, (text, painted.sum())
+    assert grid[0].tolist() != grid[1].tolist()  # the flat bootstrap canvas and v4's, in turn
+    assert not torch.equal(pix, T.vision_batch(0, 4, "v4", n=6)[0])
+
+
+def test_vision_stage_trains_the_tower_alone_and_resumes_exactly(tmp_path):
+    """--vision-steps: the text model does not move while the vision tower learns to name the objects (held-out
+    size, colour and texture well above chance after 80 steps of the tiny model), an interrupted vision stage
+    resumes to the same weights as one run straight through, and --freeze-vision keeps the tower as it left it."""
+    from safetensors.torch import load_file
+
+    args = T.parse_args(["--size", "tiny", "--vision-steps", "80", "--threads", "1", "--warmup", "10",
+                         "--layout", "v1", "--run-dir", str(tmp_path)])  # flat canvases: quick to learn
+    tok = T.build_tokenizer()
+    model, _ = T.build_run_model(args, tok, torch.device("cpu"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pre = T.VisionPretrainer(args, model, tmp_path / "vision.pt", torch.device("cpu"))
+    chance = pre.held_out_accuracy()
+    assert pre.run() and pre.step == 80
+    after = model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(k.startswith("model.visual.") for k in moved), sorted(moved)[:5]
+    acc = pre.held_out_accuracy()
+    assert acc["colour"] >= 0.9 and acc["size"] >= 0.8 and acc["texture"] >= 0.6, (chance, acc)
+
+    common = ["--size", "tiny", "--vision-steps", "4", "--steps", "2", "--threads", "1", "--warmup", "1",
+              "--batch-scale", "0.25"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    T.main(common + ["--run-dir", str(a), "--out", str(a / "model"), "--fresh"])
+    T.main(common + ["--run-dir", str(b), "--out", str(b / "model"), "--fresh", "--stop-after", "2"])
+    assert (b / "vision.pt").exists() and not (b / "ckpt.pt").exists() and not (b / "model").exists()
+    T.main(common + ["--run-dir", str(b), "--out", str(b / "model")])
+    wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(SystemExit, match="vision_steps"):  # the main stage's checkpoint belongs to this recipe
+        T.main([x if x != "4" else "5" for x in common] + ["--run-dir", str(b), "--out", str(b / "model")])
+
+    # --freeze-vision: the main stage moves the merger only; the tower stays as the vision stage left it
+    c = tmp_path / "c"
+    T.main(common + ["--run-dir", str(c), "--out", str(c / "model"), "--fresh", "--freeze-vision"])
+    wc = load_file(c / "model" / "model.safetensors")
+    staged = torch.load(c / "vision.pt", weights_only=False)["stage"]
+    tower = {k: v for k, v in staged.items() if k.startswith("visual.")}
+    for k, v in tower.items():  # saved under the original Qwen2-VL names ("visual.", not "model.visual.")
+        assert torch.equal(wc[k], v) != k.startswith("visual.merger."), k
+    assert any(not torch.equal(wa[k], v) for k, v in tower.items() if "blocks" in k)  # unfrozen, the tower moves
 
 
 def test_curriculum_bootstraps_vision_on_the_small_flat_canvas():

@@ -36,7 +36,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.attention_profile import described_cells, token_cells  # noqa: E402
-from benchmarks.reading_probe import scored_positions  # noqa: E402
+from benchmarks.reading_probe import ATTRIBUTES, scored_positions  # noqa: E402
 from pipeline.data import synthetic as S  # noqa: E402
 from rcr.models import build_inputs, load, with_answer  # noqa: E402
 
@@ -73,9 +73,8 @@ def scene_hidden(model, processor, frames: list[np.ndarray], text: str):
 def attribute_steps(words: list[str], lay: S.SceneLayout) -> tuple[list[int], list[int]]:
     """(answer word indices, their cell index): the steps that write an attribute word the text has not announced,
     and the cell their description is on."""
-    cells = described_cells(words)
-    ks = sorted(k for where in scored_positions(words).values() for k in where if words[k] != "a")
-    ks = [k for k in ks if words[k] != "nothing" and cells[k] is not None]
+    cells, where = described_cells(words), scored_positions(words)
+    ks = sorted(k for name in ATTRIBUTES for k in where[name] if cells[k] is not None)
     return ks, [cells[k][0] * lay.cols + cells[k][1] for k in ks]
 
 

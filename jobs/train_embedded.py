@@ -956,6 +956,8 @@ def main(argv=None):
     if args.vision_steps and not resumed:  # a run that has not started its main stage
         pre = VisionPretrainer(args, model, run_dir / "vision.pt", device)
         if not pre.run() or pre.step < pre.total:
+            print(f"the vision stage stopped at step {pre.step} of {pre.total} (no model saved); run the same "
+                  "command to resume", flush=True)
             return
         elapsed_before = pre.elapsed_before + time.time() - pre.t_start
         if args.stop_after is not None:  # --stop-after counts this process's steps of both stages

@@ -301,7 +301,8 @@ def test_training_resumes_exactly(tmp_path):
 
 def test_vision_batches_label_the_object_they_draw():
     """--vision-steps' scenes (T.vision_batch): one object each, labelled with the size and colour its pixels
-    show, the same for the same (seed, step) and apart from the main stage's scenes."""
+    show, alternately on the flat bootstrap canvas and on the layout's, the same for the same (seed, step) and
+    others for the next step."""
     pix, grid, labels = T.vision_batch(0, 3, "v4", n=6)
     again = T.vision_batch(0, 3, "v4", n=6)
     assert torch.equal(pix, again[0]) and torch.equal(labels, again[2])

@@ -791,9 +791,9 @@ class Trainer:
 # head per attribute on the max over an image's merged tokens, the same tower names all four within a few hundred
 # steps. --vision-steps runs that first, on the flat bootstrap canvas and on --layout's (what it learns on one
 # canvas it does not know on the other); the heads are then dropped and the model stays a plain Qwen2-VL. The main
-# stage's loss then wipes what the tower learnt within 1,800 steps (run Q) unless --freeze-vision keeps it, as LLaVA
-# keeps its CLIP encoder frozen: only the merger (the projector into the decoder) trains. Frozen from the start, the
-# tower was never read at all, not even its colours (run R): neither flag is in the shipped recipe.
+# stage's loss then erodes most of what the tower learnt within 1,800 steps (run Q) unless --freeze-vision keeps it,
+# as LLaVA keeps its CLIP encoder frozen: only the merger (the projector into the decoder) trains. Frozen from the
+# start, the tower was never read at all, not even its colours (run R): neither flag is in the shipped recipe.
 VISION_ATTRIBUTES = {"size": S.SIZES, "colour": tuple(S.COLOURS), "texture": S.TEXTURES, "shape": S.SHAPES}
 VISION_BATCH = 16
 VISION_INDEX_BASE = 10**9  # scene indices of the vision stage: apart from the main stage's step * 64 + i

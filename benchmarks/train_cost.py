@@ -51,10 +51,11 @@ def main(argv=None) -> None:
     trainer = T.Trainer(targs, model, T.make_optimizer(model, targs), T.BatchBuilder(processor),
                         Path(os.devnull), 0, 0.0, sink)
 
-    def step(s: int) -> float:
+    def step(s: int, stage: T.Trainer = trainer) -> float:
+        """Seconds of ``stage``'s training step ``s`` (the main stage's by default)."""
         t0 = time.perf_counter()
-        trainer.step = s
-        trainer.train_step(T.Meter())
+        stage.step = s
+        stage.train_step(T.Meter())
         return time.perf_counter() - t0
 
     step(0)  # untimed: first-call allocations
@@ -62,15 +63,9 @@ def main(argv=None) -> None:
     print(f"{'phase':>12}  {'steps':>6}  {'s/step':>7}  {'min':>6}")
     if targs.vision_steps:  # --vision-steps: the vision stage runs first (never resumed here, nothing written)
         pre = T.VisionPretrainer(argparse.Namespace(**{**vars(targs), "fresh": True}), model, Path(os.devnull), "cpu")
-
-        def vision_step(s: int) -> float:
-            t0 = time.perf_counter()
-            pre.step = s
-            pre.train_step(T.Meter())
-            return time.perf_counter() - t0
-
-        vision_step(0)
-        mean = float(np.mean([vision_step(int(s)) for s in np.linspace(0, targs.vision_steps - 1, args.per_phase)]))
+        step(0, pre)
+        picks = np.linspace(0, targs.vision_steps - 1, args.per_phase).round().astype(int)
+        mean = float(np.mean([step(int(s), pre) for s in picks]))
         total += mean * targs.vision_steps
         print(f"{'vision':>12}  {targs.vision_steps:>6}  {mean:>7.2f}  {mean * targs.vision_steps / 60:>6.1f}",
               flush=True)

@@ -40,7 +40,8 @@ def main(argv=None) -> None:
     print(f"load average before: {os.getloadavg()[0]:.2f}; torch threads {args.threads}; "
           f"recipe --size {targs.size} --layout {targs.layout} --steps {targs.steps}"
           f"{' --hold-sink' if targs.hold_sink else ''}"
-          f"{f' --vision-steps {targs.vision_steps}' if targs.vision_steps else ''}", flush=True)
+          f"{f' --vision-steps {targs.vision_steps}' if targs.vision_steps else ''}"
+          f"{' --freeze-vision' if targs.freeze_vision else ''}", flush=True)
 
     tok = T.build_tokenizer()
     processor = T.build_processor(tok)
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
     model.set_attn_implementation({"vision_config": "eager"})  # as main() does for training
     model.train()
     # the trainer's own step (batch, optimizer step, held-sink restore, meter); no checkpoint is ever written
-    trainer = T.Trainer(targs, model, T.make_optimizer(model, targs), T.BatchBuilder(processor),
+    trainer = T.Trainer(targs, model, T.main_optimizer(model, targs), T.BatchBuilder(processor),
                         Path(os.devnull), 0, 0.0, sink)
 
     def step(s: int, stage: T.Trainer = trainer) -> float:
@@ -69,6 +70,7 @@ def main(argv=None) -> None:
         total += mean * targs.vision_steps
         print(f"{'vision':>12}  {targs.vision_steps:>6}  {mean:>7.2f}  {mean * targs.vision_steps / 60:>6.1f}",
               flush=True)
+    T.freeze_tower(model, targs)  # --freeze-vision: the main stage's backward skips the tower's weights
     for until, *_ in T.CURRICULUM:
         hi = min(targs.steps, int(round(until * targs.steps)))
         picks = np.linspace(lo, hi - 1, args.per_phase).round().astype(int)

@@ -559,6 +559,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--freeze-vision", action=argparse.BooleanOptionalAction, default=False,
                     help="the main stage trains the vision tower's merger only (its patch embedding and blocks stay "
                          "as --vision-steps left them)")
+    ap.add_argument("--vision-lr-scale", type=float, default=1.0,
+                    help="the main stage trains the vision tower's patch embedding and blocks at this fraction of the "
+                         "learning rate (the merger at the full rate): between 1 (the default) and --freeze-vision")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", default="auto",
@@ -596,22 +599,46 @@ def lr_at(args: argparse.Namespace, step: int) -> float:
     return cosine_lr(args.lr, args.warmup, args.steps, step)
 
 
-def make_optimizer(model, args: argparse.Namespace):
+def is_tower_body(name: str) -> bool:
+    """The vision tower's patch embedding and blocks (``model.visual.*`` but its merger): what --vision-lr-scale
+    slows and --freeze-vision freezes."""
+    return name.startswith("model.visual.") and not name.startswith("model.visual.merger.")
+
+
+def make_optimizer(model, args: argparse.Namespace, lr_scale=lambda name: 1.0):
+    """AdamW with weight decay on the weight matrices only; each group carries the ``lr_scale`` of its parameters'
+    names, which ``optimizer_step`` multiplies the step's learning rate by."""
     import torch
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
+    groups: dict[tuple[bool, float], list] = {}
+    for name, p in model.named_parameters():
+        groups.setdefault((p.ndim >= 2, lr_scale(name)), []).append(p)
+    return torch.optim.AdamW([{"params": ps, "weight_decay": args.weight_decay if decay else 0.0, "lr_scale": scale}
+                              for (decay, scale), ps in groups.items()], lr=args.lr, betas=(0.9, 0.98))
+
+
+def main_optimizer(model, args: argparse.Namespace):
+    """The main stage's optimizer: the tower's body at --vision-lr-scale times the learning rate."""
+    return make_optimizer(model, args, lambda name: args.vision_lr_scale if is_tower_body(name) else 1.0)
+
+
+def freeze_tower(model, args: argparse.Namespace) -> None:
+    """--freeze-vision, before the main stage: no gradient for the tower's body, so AdamW leaves it (and its weight
+    decay) alone and backward skips its weights."""
+    if args.freeze_vision:
+        for name, param in model.named_parameters():
+            if is_tower_body(name):
+                param.requires_grad_(False)
 
 
 def optimizer_step(model, opt, batch: dict, lr: float):
     """One AdamW step on a training batch (its "labels" popped): cross-entropy on the answer tokens, gradient
-    clip 1. Returns (loss, logits (B, T-1, V) fp32, targets (B, T-1))."""
+    clip 1; each parameter group at ``lr`` times its "lr_scale". Returns (loss, logits (B, T-1, V) fp32,
+    targets (B, T-1))."""
     import torch
 
     for g in opt.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_scale", 1.0)
     labels = batch.pop("labels")
     logits = model(**batch).logits[:, :-1].float()
     tgt = labels[:, 1:]
@@ -633,14 +660,17 @@ def init_weights_from(model, path: str) -> None:
     print(f"initialised from {path}", flush=True)
 
 
-def check_recipe(ck: dict, args: argparse.Namespace, path: Path) -> None:
-    """Refuse a checkpoint made with other recipe flags than ``args``: its run would not be this one."""
+RECIPE = ("size", "seed", "layout", "steps", "weight_decay", "sink", "hold_sink", "sink_logit", "sink_ramp",
+          "vision_steps", "freeze_vision", "vision_lr_scale")
+VISION_RECIPE = ("size", "seed", "layout", "weight_decay", "vision_steps")  # what the vision stage depends on
+
+
+def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str, ...] = RECIPE) -> None:
+    """Refuse a checkpoint made with other recipe flags (``keys``) than ``args``: its run would not be this one."""
     # what checkpoints made before these flags used
     older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False, "sink_logit": HELD_SINK_LOGIT,
-             "sink_ramp": None, "vision_steps": 0, "freeze_vision": False}
-    made = {k: ck["args"].get(k, older.get(k)) for k in ("size", "seed", "layout", "steps", "weight_decay", "sink",
-                                                         "hold_sink", "sink_logit", "sink_ramp", "vision_steps",
-                                                         "freeze_vision")}
+             "sink_ramp": None, "vision_steps": 0, "freeze_vision": False, "vision_lr_scale": 1.0}
+    made = {k: ck["args"].get(k, older.get(k)) for k in keys}
     if made != {k: getattr(args, k) for k in made}:
         raise SystemExit(f"checkpoint {path} was made with {made}; pass the same flags, or --fresh")
 
@@ -793,7 +823,8 @@ class Trainer:
 # canvas it does not know on the other); the heads are then dropped and the model stays a plain Qwen2-VL. The main
 # stage's loss then erodes most of what the tower learnt within 1,800 steps (run Q) unless --freeze-vision keeps it,
 # as LLaVA keeps its CLIP encoder frozen: only the merger (the projector into the decoder) trains. Frozen from the
-# start, the tower was never read at all, not even its colours (run R): neither flag is in the shipped recipe.
+# start, the tower was never read at all, not even its colours (run R). --vision-lr-scale trains it at a fraction of
+# the learning rate, between the two. None of these flags is in the shipped recipe.
 VISION_ATTRIBUTES = {"size": S.SIZES, "colour": tuple(S.COLOURS), "texture": S.TEXTURES, "shape": S.SHAPES}
 VISION_BATCH = 16
 VISION_INDEX_BASE = 10**9  # scene indices of the vision stage: apart from the main stage's step * 64 + i
@@ -837,7 +868,7 @@ class VisionPretrainer(Trainer):
         step, elapsed = 0, 0.0
         if ckpt_path.exists() and not args.fresh:
             ck = torch.load(ckpt_path, map_location=device, weights_only=False)  # our own checkpoint
-            check_recipe(ck, args, ckpt_path)
+            check_recipe(ck, args, ckpt_path, VISION_RECIPE)  # one vision stage may start several main stages
             self.stage.load_state_dict(ck["stage"])
             opt.load_state_dict(ck["opt"])
             step, elapsed = ck["step"], ck["elapsed"]
@@ -909,6 +940,12 @@ def build_run_model(args: argparse.Namespace, tok, device):
     if args.sink_ramp is not None and not (args.hold_sink and 0.0 <= args.sink_ramp[0] < args.sink_ramp[1] <= 1.0):
         raise SystemExit(f"--sink-ramp {args.sink_ramp}: give fractions FROM < TO of --steps in [0, 1], with "
                          "--hold-sink")
+    if args.freeze_vision and args.vision_lr_scale != 1.0:
+        raise SystemExit(f"--vision-lr-scale {args.vision_lr_scale} slows the tower that --freeze-vision freezes: "
+                         "pass one")
+    if not args.vision_lr_scale > 0:
+        raise SystemExit(f"--vision-lr-scale {args.vision_lr_scale}: give a fraction > 0 (--freeze-vision stops "
+                         "the tower)")
     model = build_model(tok, args.size, seed=args.seed).to(device)
     if args.sink:
         plant_attention_sink(model, tok.convert_tokens_to_ids(SPECIAL_TOKENS["im_start"]))
@@ -936,7 +973,7 @@ def main(argv=None):
     processor = build_processor(tok)
     model, sink = build_run_model(args, tok, device)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = make_optimizer(model, args)
+    opt = main_optimizer(model, args)
     step, elapsed_before = 0, 0.0
     resumed = ckpt_path.exists() and not args.fresh
     if resumed:
@@ -963,9 +1000,7 @@ def main(argv=None):
         elapsed_before = pre.elapsed_before + time.time() - pre.t_start
         if args.stop_after is not None:  # --stop-after counts this process's steps of both stages
             args.stop_after -= pre.step - pre.start_step
-    if args.freeze_vision:  # no gradient, so AdamW leaves them (and their weight decay) alone
-        for name, param in model.model.visual.named_parameters():
-            param.requires_grad_(name.startswith("merger."))
+    freeze_tower(model, args)
     trainer = Trainer(args, model, opt, BatchBuilder(processor), ckpt_path, step, elapsed_before, sink)
     if not trainer.run():
         return

@@ -364,6 +364,42 @@ def test_vision_stage_trains_the_tower_alone_and_resumes_exactly(tmp_path):
     assert any(not torch.equal(wa[k], v) for k, v in tower.items() if "blocks" in k)  # unfrozen, the tower moves
 
 
+def test_vision_lr_scale_slows_the_tower_body_alone(tmp_path, capsys):
+    """--vision-lr-scale F: one main-stage step from the same vision stage moves the tower's patch embedding and
+    blocks F times as far as at the full rate (AdamW's first step is lr times the gradient's sign plus the decay)
+    and the merger and decoder the same; one vision stage's checkpoint starts main stages of other recipes, and
+    a bad fraction is refused, naming the flag."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    common = ["--size", "tiny", "--vision-steps", "3", "--steps", "1", "--threads", "1", "--warmup", "1",
+              "--batch-scale", "0.25"]
+    full, slow = tmp_path / "full", tmp_path / "slow"
+    T.main(common + ["--run-dir", str(full), "--out", str(full / "model"), "--fresh"])
+    slow.mkdir()
+    shutil.copy(full / "vision.pt", slow / "vision.pt")  # reused, not retrained: the same tower to start from
+    T.main(common + ["--run-dir", str(slow), "--out", str(slow / "model"), "--vision-lr-scale", "0.1"])
+    assert "resumed the vision stage" in capsys.readouterr().out
+    start = {k: v for k, v in torch.load(full / "vision.pt", weights_only=False)["stage"].items()
+             if k.startswith("visual.")}  # the tower as the main stage found it, under the saved names
+    wf, ws = load_file(full / "model" / "model.safetensors"), load_file(slow / "model" / "model.safetensors")
+    for k, v in start.items():
+        moved_full, moved_slow = wf[k] - v, ws[k] - v
+        if k.startswith("visual.merger."):
+            assert torch.allclose(moved_slow, moved_full, atol=1e-7), k
+        else:
+            assert moved_full.abs().max() > 1e-4, k
+            assert torch.allclose(moved_slow, 0.1 * moved_full, atol=1e-7, rtol=1e-3), k
+    text = [k for k in wf if not k.startswith("visual.")]
+    assert text and all(torch.allclose(wf[k], ws[k], atol=1e-7) for k in text)
+    for bad in (["--vision-lr-scale", "0"], ["--vision-lr-scale", "0.5", "--freeze-vision"]):
+        with pytest.raises(SystemExit, match="--vision-lr-scale"):
+            T.main(common + ["--run-dir", str(tmp_path / "bad"), "--fresh"] + bad)
+    with pytest.raises(SystemExit, match="vision_lr_scale"):  # the main stage's checkpoint belongs to its recipe
+        T.main(common + ["--run-dir", str(slow), "--out", str(slow / "model"), "--vision-lr-scale", "0.2"])
+
+
 def test_curriculum_bootstraps_vision_on_the_small_flat_canvas():
     """Steps of the first phases show BOOTSTRAP_LAYOUT's scenes, a middle phase mixes them with --layout's, the
     rest are all --layout's, and --layout's textured canvas fades in from flat grey (jobs/train_embedded.py,

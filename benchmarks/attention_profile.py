@@ -80,42 +80,17 @@ def cell_share(pre: torch.Tensor, image: torch.Tensor, at_cell: torch.Tensor | N
     return (on_cell / on_image).mean().item() if steps.any() else float("nan")
 
 
-def described_cells(words: list[str]) -> list[tuple[int, int] | None]:
-    """Per answer word k, the (row, column) that the words before it last named ("In row two , column three ,"
-    -> (1, 2) from the word after "three" on); None before the first. The step that writes word k reads them."""
-    number = {w: i for i, w in enumerate(S.NUMBER_WORDS)}
-    out, row, cell = [], None, None
-    for k, w in enumerate(words):
-        out.append(cell)
-        if k and w in number and words[k - 1] == "row":
-            row = number[w]
-        elif k and w in number and words[k - 1] == "column" and row is not None:
-            cell = (row, number[w])
-    return out
-
-
 def cell_masks(words: list[str], lay: S.SceneLayout, image: torch.Tensor, grid_thw: torch.Tensor,
                patch: int = 28) -> torch.Tensor:
     """(steps, N) bool: per answer step, the prompt's image tokens (merged, raster order; ``image`` marks them)
     whose ``patch`` px block lies in the step's described cell."""
-    cells = torch.from_numpy(token_cells(lay, grid_thw, patch))  # (h * w,)
+    cells = torch.from_numpy(S.token_cells(lay, grid_thw, patch))  # (h * w,)
     masks = torch.zeros(len(words), len(image), dtype=torch.bool)
     where = image.nonzero().squeeze(-1)  # (h * w,) prompt positions of the image tokens
-    for k, cell in enumerate(described_cells(words)):
+    for k, cell in enumerate(S.described_cells(words)):
         if cell is not None:
             masks[k, where[cells == cell[0] * lay.cols + cell[1]]] = True
     return masks
-
-
-def token_cells(lay: S.SceneLayout, grid_thw, patch: int = 28) -> np.ndarray:
-    """(tokens,) the cell index (row * cols + col) of each merged visual token (raster order), from the cell of
-    its top-left pixel; the layout's cells are whole tokens."""
-    _, gh, gw = (int(x) for x in grid_thw)
-    h, w = gh // 2, gw // 2
-    if (h * patch, w * patch) != (lay.height, lay.width):
-        raise ValueError(f"{h * patch}x{w * patch} px of tokens for a {lay.height}x{lay.width} layout")
-    rows, cols = np.divmod(np.arange(h * w), w)
-    return (rows * patch // lay.cell) * lay.cols + cols * patch // lay.cell
 
 
 def flat_tokens(frame: np.ndarray, grid_thw: torch.Tensor, patch: int = 28) -> torch.Tensor:

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.attention_profile import flat_tokens, token_cells  # noqa: E402
+from benchmarks.attention_profile import flat_tokens  # noqa: E402
 from benchmarks.position_probe import probe_accuracy, probe_args, scene_hidden  # noqa: E402
 from benchmarks.reading_probe import ATTRIBUTES  # noqa: E402
 from pipeline.data import synthetic as S  # noqa: E402
@@ -46,7 +46,7 @@ def object_token_labels(text: str, lay: S.SceneLayout, flat_twin: np.ndarray,
                         grid_thw: torch.Tensor) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(keep (tokens,) bool, {attribute: (kept,) value index}): the merged tokens that cover part of an object
     (not flat on ``flat_twin``, the scene on a flat canvas), and each one's object's attributes."""
-    cells = token_cells(lay, grid_thw)
+    cells = S.token_cells(lay, grid_thw)
     objects = cell_objects(text, lay)
     keep = ~flat_tokens(flat_twin, grid_thw).numpy() & np.isin(cells, list(objects))
     labels = {name: np.array([vocab.index(objects[c][off - 1]) for c in cells[keep]])

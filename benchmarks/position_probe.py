@@ -35,7 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.attention_profile import described_cells, token_cells  # noqa: E402
 from benchmarks.reading_probe import ATTRIBUTES, scored_positions  # noqa: E402
 from pipeline.data import synthetic as S  # noqa: E402
 from rcr.models import build_inputs, load, with_answer  # noqa: E402
@@ -73,7 +72,7 @@ def scene_hidden(model, processor, frames: list[np.ndarray], text: str):
 def attribute_steps(words: list[str], lay: S.SceneLayout) -> tuple[list[int], list[int]]:
     """(answer word indices, their cell index): the steps that write an attribute word the text has not announced,
     and the cell their description is on."""
-    cells, where = described_cells(words), scored_positions(words)
+    cells, where = S.described_cells(words), scored_positions(words)
     ks = sorted(k for name in ATTRIBUTES for k in where[name] if cells[k] is not None)
     return ks, [cells[k][0] * lay.cols + cells[k][1] for k in ks]
 
@@ -108,7 +107,7 @@ def main(argv=None) -> None:
         ks, cells = attribute_steps(words, lay)
         keys.append(image)
         queries.append([h[ks] for h in steps])
-        key_cells.append(token_cells(lay, grid_thw))
+        key_cells.append(S.token_cells(lay, grid_thw))
         query_cells.append(np.array(cells))
     n_cells = lay.rows * lay.cols
     print(f"{args.model} | layout {args.layout}, {args.n} held-out scenes ({args.train} to fit) | "

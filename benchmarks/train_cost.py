@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     tok = T.build_tokenizer()
     processor = T.build_processor(tok)
     model, sink = T.build_run_model(targs, tok, "cpu")
-    model.set_attn_implementation({"vision_config": "eager"})  # as main() does for training
+    T.training_attention(model, targs)  # as main() does
     model.train()
     # the trainer's own step (batch, optimizer step, held-sink restore, meter); no checkpoint is ever written
     trainer = T.Trainer(targs, model, T.main_optimizer(model, targs), T.BatchBuilder(processor),

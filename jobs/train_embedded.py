@@ -4,7 +4,9 @@ Everything is built locally (word-level tokenizer over the grammar, Qwen2-VL pro
 template, a tiny ``Qwen2VLForConditionalGeneration``) and saved in Hugging Face format, so the result
 loads offline with ``from_pretrained(<dir>)`` and runs through the same code paths as Qwen2-VL-7B.
 
-    python jobs/train_embedded.py                       # the v4 candidate, bootstrapped on v1; CPU, resumes
+    python jobs/train_embedded.py --layout v5 --vision-steps 800 --vision-lr-scale 0.1 --hold-sink \
+        --sink-logit 10 --sink-ramp 0.3 0.45 --ground-loss 1 --steps 4500   # the shipped model (run V); resumes
+    python jobs/train_embedded.py                       # run I's recipe on v4, bootstrapped on v1 (no sink)
     python jobs/train_embedded.py --device cuda         # minutes on a GPU
     python jobs/train_embedded.py --minutes 2 --out runs/smoke --run-dir runs/smoke   # smoke run
     python jobs/train_embedded.py --export runs/peek    # a running run's last checkpoint, as a model directory
@@ -411,7 +413,9 @@ class BatchBuilder:
     def target_ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] + [self.eos_id]
 
-    def build(self, task: str, samples: list[tuple[list[np.ndarray], str]]):
+    def build(self, task: str, samples: list[tuple[list[np.ndarray], str]], ground: S.SceneLayout | None = None):
+        """The padded batch of ``samples``; with ``ground`` (the detailcaps scenes' layout) also "ground", the
+        attention targets of ``ground_targets``."""
         import torch
 
         rows, pix, grids = [], [], []
@@ -439,7 +443,28 @@ class BatchBuilder:
             batch.update(pixel_values_videos=pv, video_grid_thw=thw)
         else:
             batch.update(pixel_values=pv, image_grid_thw=thw)
+        if ground is not None and task == "detailcaps" and ground.every_cell:
+            batch["ground"] = self.ground_targets(samples, ground, thw, L)
         return batch
+
+    def ground_targets(self, samples, lay: S.SceneLayout, grid_thw, length: int):
+        """(B, T, T) bool: row q marks the visual tokens of the cell that the description is at when position q
+        predicts an attribute word (the step that writes it), and is empty at every other position."""
+        import torch
+
+        image_id = self.tok.convert_tokens_to_ids(SPECIAL_TOKENS["image"])
+        out = torch.zeros(len(samples), length, length, dtype=torch.bool)
+        for i, (frames, text) in enumerate(samples):
+            ids = self.prefix("detailcaps", frames)[0]
+            where = torch.tensor([j for j, t in enumerate(ids) if t == image_id])  # (tokens,) raster order
+            cells = torch.from_numpy(S.token_cells(lay, grid_thw[i]))  # (tokens,)
+            words = self.tok.convert_ids_to_tokens(self.target_ids(text)[:-1])
+            described = S.described_cells(words)
+            for k in S.attribute_words(words):
+                if described[k] is not None:
+                    r, c = described[k]
+                    out[i, len(ids) + k - 1, where[cells == r * lay.cols + c]] = True
+        return out
 
 
 # ------------------------------------------------------------------------------------- schedule
@@ -494,10 +519,11 @@ def batch_plan(seed: int, step: int, total_steps: int, batch_scale: float = 1.0,
 
 
 def make_batch(builder: BatchBuilder, seed: int, step: int, total_steps: int, batch_scale: float = 1.0,
-               layout: str = S.DEFAULT_LAYOUT):
+               layout: str = S.DEFAULT_LAYOUT, ground: bool = False):
+    """(task, batch) of one step; ``ground`` adds the attention targets of --ground-loss where the scenes have them."""
     task, lay, items, strength = batch_plan(seed, step, total_steps, batch_scale, layout)
     samples = [S.render(task, s, idx, n_objects=n, layout=lay, canvas_strength=strength) for s, idx, n in items]
-    return task, builder.build(task, samples)
+    return task, builder.build(task, samples, ground=S.get_layout(lay) if ground else None)
 
 
 # ------------------------------------------------------------------------------------- train
@@ -562,6 +588,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vision-lr-scale", type=float, default=1.0,
                     help="the main stage trains the vision tower's patch embedding and blocks at this fraction of the "
                          "learning rate (the merger at the full rate): between 1 (the default) and --freeze-vision")
+    ap.add_argument("--ground-loss", type=float, default=0.0, metavar="W",
+                    help="supervised attention: on detailcaps scenes whose description walks every cell, add W times "
+                         "-log(the attention mass of decoder layer --ground-layer on the described cell's visual "
+                         "tokens) at the steps that write an attribute word, averaged over heads and steps "
+                         "(grounding_loss); 0 (default) is off")
+    ap.add_argument("--ground-layer", type=int, default=-1,
+                    help="the decoder layer --ground-loss supervises (Python index; default the last)")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", default="auto",
@@ -631,23 +664,43 @@ def freeze_tower(model, args: argparse.Namespace) -> None:
                 param.requires_grad_(False)
 
 
-def optimizer_step(model, opt, batch: dict, lr: float):
-    """One AdamW step on a training batch (its "labels" popped): cross-entropy on the answer tokens, gradient
-    clip 1; each parameter group at ``lr`` times its "lr_scale". Returns (loss, logits (B, T-1, V) fp32,
-    targets (B, T-1))."""
+def grounding_loss(attn, target):
+    """Supervised attention: the mean over heads and target rows of -log(the attention mass on the row's
+    targets). ``attn`` (B, H, T, T) one layer's weights, ``target`` (B, T, T) bool (``ground_targets``).
+    Returns (loss, mean mass on the targets), or (None, None) where no row has a target."""
+    import torch
+
+    rows = target.any(-1)  # (B, T)
+    if not rows.any():
+        return None, None
+    mass = (attn * target[:, None].to(attn.dtype)).sum(-1)  # (B, H, T)
+    mass = mass.transpose(1, 2)[rows]  # (rows, H)
+    return -torch.log(mass + 1e-4).mean(), mass.detach().mean()
+
+
+def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.0, ground_layer: int = -1):
+    """One AdamW step on a training batch (its "labels" and "ground" popped): cross-entropy on the answer tokens,
+    plus ``ground_weight`` times ``grounding_loss`` of decoder layer ``ground_layer`` where the batch has attention
+    targets (the text attention must then be eager, to return its weights); gradient clip 1; each parameter
+    group at ``lr`` times its "lr_scale". Returns (loss, logits (B, T-1, V) fp32, targets (B, T-1), the mean
+    attention mass on the targets or None)."""
     import torch
 
     for g in opt.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
     labels = batch.pop("labels")
-    logits = model(**batch).logits[:, :-1].float()
+    target = batch.pop("ground", None) if ground_weight else None
+    batch.pop("ground", None)
+    out = model(**batch, output_attentions=target is not None)
+    logits = out.logits[:, :-1].float()
     tgt = labels[:, 1:]
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
+    aux, mass = grounding_loss(out.attentions[ground_layer], target) if target is not None else (None, None)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    (loss if aux is None else loss + ground_weight * aux).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return loss, logits, tgt
+    return loss, logits, tgt, mass
 
 
 def init_weights_from(model, path: str) -> None:
@@ -661,7 +714,7 @@ def init_weights_from(model, path: str) -> None:
 
 
 RECIPE = ("size", "seed", "layout", "steps", "weight_decay", "sink", "hold_sink", "sink_logit", "sink_ramp",
-          "vision_steps", "freeze_vision", "vision_lr_scale")
+          "vision_steps", "freeze_vision", "vision_lr_scale", "ground_loss", "ground_layer")
 VISION_RECIPE = ("size", "seed", "layout", "weight_decay", "vision_steps")  # what the vision stage depends on
 
 
@@ -669,7 +722,8 @@ def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str
     """Refuse a checkpoint made with other recipe flags (``keys``) than ``args``: its run would not be this one."""
     # what checkpoints made before these flags used
     older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False, "sink_logit": HELD_SINK_LOGIT,
-             "sink_ramp": None, "vision_steps": 0, "freeze_vision": False, "vision_lr_scale": 1.0}
+             "sink_ramp": None, "vision_steps": 0, "freeze_vision": False, "vision_lr_scale": 1.0,
+             "ground_loss": 0.0, "ground_layer": -1}
     made = {k: ck["args"].get(k, older.get(k)) for k in keys}
     if made != {k: getattr(args, k) for k in made}:
         raise SystemExit(f"checkpoint {path} was made with {made}; pass the same flags, or --fresh")
@@ -697,19 +751,23 @@ class Meter:
 
     def __init__(self):
         self.loss, self.correct, self.count, self.scenes, self.n = 0.0, 0, 0, 0, 0
+        self.masses: list[float] = []
         self.t0 = time.time()
 
-    def add(self, loss, logits, tgt, n_scenes: int) -> None:
+    def add(self, loss, logits, tgt, n_scenes: int, mass=None) -> None:
         mask = tgt != -100
         self.correct += int(((logits.argmax(-1) == tgt) & mask).sum())
         self.count += int(mask.sum())
         self.loss += float(loss)
         self.n += 1
         self.scenes += n_scenes
+        if mass is not None:
+            self.masses.append(float(mass))
 
     def line(self) -> str:
         rate = self.scenes / max(time.time() - self.t0, 1e-9)
-        return (f"loss {self.loss / max(1, self.n):.4f} tok_acc {self.correct / max(1, self.count):.4f} "
+        cell = f" cell {sum(self.masses) / len(self.masses):.3f}" if self.masses else ""  # --ground-loss's target
+        return (f"loss {self.loss / max(1, self.n):.4f} tok_acc {self.correct / max(1, self.count):.4f}{cell} "
                 f"scenes/s {rate:.1f}")
 
 
@@ -747,17 +805,19 @@ class Trainer:
         import torch
 
         args = self.args
-        _, batch = make_batch(self.builder, args.seed, self.step, args.steps, args.batch_scale, args.layout)
+        _, batch = make_batch(self.builder, args.seed, self.step, args.steps, args.batch_scale, args.layout,
+                              ground=args.ground_loss > 0)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         n = batch["input_ids"].shape[0]
         if self.sink is not None:
             self.sink.set_logit(sink_logit_at(args, self.step))
-        loss, logits, tgt = optimizer_step(self.model, self.opt, batch, self.lr())
+        loss, logits, tgt, mass = optimizer_step(self.model, self.opt, batch, self.lr(), args.ground_loss,
+                                                 args.ground_layer)
         if self.sink is not None:
             self.sink.restore()  # undo weight decay on the held entries (their gradients are already zero)
         self.step += 1
         with torch.no_grad():
-            meter.add(loss, logits, tgt, n)
+            meter.add(loss, logits, tgt, n, mass)
 
     def log(self, meter: Meter) -> None:
         import torch
@@ -930,6 +990,13 @@ class VisionPretrainer(Trainer):
                            self.ckpt_path)
 
 
+def training_attention(model, args: argparse.Namespace) -> None:
+    """The attention implementations training runs with (the saved model goes back to SDPA): the vision tower's
+    attention over ~1,300 patches of 16-dim heads runs ~13% faster eager than SDPA on CPU, and --ground-loss reads
+    the decoder's attention weights, which only eager attention returns."""
+    model.set_attn_implementation({"vision_config": "eager", **({"text_config": "eager"} if args.ground_loss else {})})
+
+
 def build_run_model(args: argparse.Namespace, tok, device):
     """The model a run of ``args`` starts from before any checkpoint (--size, --seed, --sink, --hold-sink,
     --init-from), and its ``HeldSink`` (None without --hold-sink)."""
@@ -946,6 +1013,14 @@ def build_run_model(args: argparse.Namespace, tok, device):
     if not args.vision_lr_scale > 0:
         raise SystemExit(f"--vision-lr-scale {args.vision_lr_scale}: give a fraction > 0 (--freeze-vision stops "
                          "the tower)")
+    if args.ground_loss < 0:
+        raise SystemExit(f"--ground-loss {args.ground_loss}: give a weight >= 0")
+    if args.ground_loss and not S.get_layout(args.layout).every_cell:
+        raise SystemExit(f"--ground-loss needs a --layout whose descriptions walk every cell (v3 and later), "
+                         f"not {args.layout}")
+    n_layers = MODEL_SIZES[args.size]["layers"]
+    if not -n_layers <= args.ground_layer < n_layers:
+        raise SystemExit(f"--ground-layer {args.ground_layer}: --size {args.size} has {n_layers} decoder layers")
     model = build_model(tok, args.size, seed=args.seed).to(device)
     if args.sink:
         plant_attention_sink(model, tok.convert_tokens_to_ids(SPECIAL_TOKENS["im_start"]))
@@ -988,9 +1063,7 @@ def main(argv=None):
     print(f"model: {n_params / 1e6:.2f} M params ({n_params * 4 / 2**20:.1f} MB fp32), device {device}, "
           f"threads {torch.get_num_threads()}, steps {args.steps}", flush=True)
 
-    # the vision tower's attention over ~1,300 patches of 16-dim heads runs ~13% faster eager than SDPA on CPU;
-    # training only: the saved model keeps the default implementation
-    model.set_attn_implementation({"vision_config": "eager"})
+    training_attention(model, args)
     if args.vision_steps and not resumed:  # a run that has not started its main stage
         pre = VisionPretrainer(args, model, run_dir / "vision.pt", device)
         if not pre.run() or pre.step < pre.total:
@@ -1005,7 +1078,7 @@ def main(argv=None):
     if not trainer.run():
         return
     total = elapsed_before + time.time() - trainer.t_start
-    model.set_attn_implementation({"vision_config": "sdpa"})
+    model.set_attn_implementation({"vision_config": "sdpa", "text_config": "sdpa"})
     model.eval()
     save_assets(model.to("cpu").float(), processor, Path(args.out))
     (run_dir / "train_summary.json").write_text(json.dumps(

@@ -111,7 +111,7 @@ LAYOUTS = {
     "v5": SceneLayout("v5", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True,
                       textured=True, lit=True),
 }
-DEFAULT_LAYOUT = "v4"  # what the shipped model was trained on; flips with the model it belongs to
+DEFAULT_LAYOUT = "v5"  # what the shipped model was trained on; flips with the model it belongs to
 FRAME_SIZE = 168  # 12x12 patches -> 6x6 = 36 merged tokens per temporal patch
 VIDEO_GRID = 3
 VIDEO_CELL = FRAME_SIZE // VIDEO_GRID
@@ -395,6 +395,40 @@ def _video(rng: np.random.Generator) -> tuple[list[np.ndarray], str]:
         steps = [f"to {VIDEO_POSITIONS[b]}" for b in path[1:]]
         sentences.append(f"The {obj.short()} moves from {VIDEO_POSITIONS[path[0]]} " + " , then ".join(steps) + " .")
     return frames, " ".join(sentences)
+
+
+# ------------------------------------------------------------------------------ reading a description back
+def described_cells(words: list[str]) -> list[tuple[int, int] | None]:
+    """Per word k of a tokenised detailcaps description, the (row, column) that the words before it last named
+    ("In row two , column three ," -> (1, 2) from the word after "three" on); None before the first. The step
+    that writes word k reads them."""
+    number = {w: i for i, w in enumerate(NUMBER_WORDS)}
+    out, row, cell = [], None, None
+    for k, w in enumerate(words):
+        out.append(cell)
+        if k and w in number and words[k - 1] == "row":
+            row = number[w]
+        elif k and w in number and words[k - 1] == "column" and row is not None:
+            cell = (row, number[w])
+    return out
+
+
+def attribute_words(words: list[str]) -> list[int]:
+    """Indices of the size, colour, texture and shape words of every object phrase ("a <size> <colour> <texture>
+    <shape>") in a tokenised description: the words only the object's own pixels tell."""
+    return [i + off for i, w in enumerate(words) if w.lower() == "a" and i + 4 < len(words)
+            and words[i + 4] in SHAPES for off in range(1, 5)]
+
+
+def token_cells(lay: SceneLayout, grid_thw, patch: int = 28) -> np.ndarray:
+    """(tokens,) the cell index (row * cols + col) of each merged visual token (raster order), from the cell of
+    its top-left pixel; the layout's cells are whole tokens. ``grid_thw``: the processor's (t, h, w) in patches."""
+    _, gh, gw = (int(x) for x in grid_thw)
+    h, w = gh // 2, gw // 2
+    if (h * patch, w * patch) != (lay.height, lay.width):
+        raise ValueError(f"{h * patch}x{w * patch} px of tokens for a {lay.height}x{lay.width} layout")
+    rows, cols = np.divmod(np.arange(h * w), w)
+    return (rows * patch // lay.cell) * lay.cols + cols * patch // lay.cell
 
 
 def get_layout(name: str) -> SceneLayout:

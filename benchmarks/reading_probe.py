@@ -40,10 +40,10 @@ def scored_positions(words: list[str]) -> dict[str, list[int]]:
     An object's colour and shape are skipped when the text before it already named them ("left of the blue
     square" announces the next object): they can be copied, not only read."""
     out: dict[str, list[int]] = {k: [] for k in (*ATTRIBUTES, "occupied")}
-    announced = False
+    announced, phrases = False, set(S.object_phrases(words))
     for i, w in enumerate(words):
         w = w.lower()  # a caption starts with "A"
-        if w == "a" and i + 4 < len(words) and words[i + 4] in S.SHAPES:
+        if i in phrases:
             for name, (off, vocab) in ATTRIBUTES.items():
                 assert words[i + off] in vocab, (words[i:i + 5], name)
                 if not (announced and name in ("colour", "shape")):

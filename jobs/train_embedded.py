@@ -689,8 +689,9 @@ def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.
     for g in opt.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
     labels = batch.pop("labels")
-    target = batch.pop("ground", None) if ground_weight else None
-    batch.pop("ground", None)
+    target = batch.pop("ground", None)
+    if not ground_weight:
+        target = None  # the batch has targets, the loss does not use them
     out = model(**batch, output_attentions=target is not None)
     logits = out.logits[:, :-1].float()
     tgt = labels[:, 1:]

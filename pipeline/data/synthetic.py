@@ -413,11 +413,16 @@ def described_cells(words: list[str]) -> list[tuple[int, int] | None]:
     return out
 
 
+def object_phrases(words: list[str]) -> list[int]:
+    """Indices of the "a" (or a caption's "A") that opens each object phrase, "a <size> <colour> <texture>
+    <shape>", in a tokenised description or caption."""
+    return [i for i, w in enumerate(words) if w.lower() == "a" and i + 4 < len(words) and words[i + 4] in SHAPES]
+
+
 def attribute_words(words: list[str]) -> list[int]:
-    """Indices of the size, colour, texture and shape words of every object phrase ("a <size> <colour> <texture>
-    <shape>") in a tokenised description: the words only the object's own pixels tell."""
-    return [i + off for i, w in enumerate(words) if w.lower() == "a" and i + 4 < len(words)
-            and words[i + 4] in SHAPES for off in range(1, 5)]
+    """Indices of the size, colour, texture and shape words of every object phrase: the words only the object's
+    own pixels tell."""
+    return [i + off for i in object_phrases(words) for off in range(1, 5)]
 
 
 def token_cells(lay: SceneLayout, grid_thw, patch: int = 28) -> np.ndarray:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -335,7 +336,9 @@ def model_slug(model: str) -> str:
 
 
 def model_fingerprint(model: str) -> str:
-    """For local checkpoints: config.json and the weight files' sizes (content changes change outputs)."""
+    """For local checkpoints: config.json and the weight files' contents, so that a retrained model in the same
+    directory (the same architecture, so the same file sizes) never resumes another model's rows. A Hub id is
+    its own fingerprint."""
     p = EMBEDDED_MODEL_DIR if model == EMBEDDED else Path(model).expanduser()
     if not p.is_dir():
         return model
@@ -344,8 +347,20 @@ def model_fingerprint(model: str) -> str:
     if cfg.is_file():
         h.update(cfg.read_bytes())
     for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        st = f.stat()
+        h.update(f"{f.name}:{_file_digest(str(f.resolve()), st.st_size, st.st_mtime_ns)}".encode())
     return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file's bytes, memoised per (path, size, mtime): ``config_hash`` is read several times a job,
+    and a real checkpoint's shards are GBs (about a second per GB)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _parse_kv_list(items: list[str]) -> dict[str, Any]:

@@ -143,7 +143,7 @@ class OutputStore:
                 "output_dir",
                 f"{self.root} holds rows of another config (config_hash {h}, e.g. in {f.name}; this job's is "
                 f"{config_hash}). A resume only continues the same config: pass a new --output-dir, or rerun "
-                "with the same model, task, max_new_tokens, dtype and rcr settings.")
+                "with the same model (and weights), task, max_new_tokens, dtype and rcr settings.")
         return keys
 
     def write_part(self, table: pa.Table, run_id: str, seq: int) -> Path:

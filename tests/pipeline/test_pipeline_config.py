@@ -74,6 +74,28 @@ def test_config_hash_ignores_batching_and_paths():
     assert a.config_hash == b.config_hash != c.config_hash
 
 
+def test_config_hash_follows_a_local_models_weights(tmp_path):
+    """A model directory retrained in place (same config, same weight-file size, other bytes) gets another
+    config_hash, so a resume never reuses the old model's rows; the same bytes keep it."""
+    import os
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2_vl"}')
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+
+    def config_hash():
+        return JobConfig.from_args(["--model", str(model)], task="detailcaps").config_hash
+
+    first = config_hash()
+    weights.write_bytes(b"b" * 64)
+    os.utime(weights, ns=(1, 1))  # a rewrite within the clock tick of the first would keep its memo key
+    second = config_hash()
+    weights.write_bytes(b"a" * 64)
+    assert first != second and config_hash() == first
+
+
 def test_help_lists_every_registered_method():
     from pipeline.run.config import build_arg_parser
     from rcr.methods import METHODS

@@ -413,9 +413,11 @@ class BatchBuilder:
     def target_ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] + [self.eos_id]
 
-    def build(self, task: str, samples: list[tuple[list[np.ndarray], str]], ground: S.SceneLayout | None = None):
-        """The padded batch of ``samples``; with ``ground`` (the detailcaps scenes' layout) also "ground", the
-        attention targets of ``ground_targets``."""
+    def build(self, task: str, samples: list[tuple[list[np.ndarray], str]], ground: S.SceneLayout | None = None,
+              placed: list[list[int]] | None = None):
+        """The padded batch of ``samples``; with ``ground`` (the scenes' layout) also "ground", the attention
+        targets of ``ground_targets``, for detailcaps scenes whose descriptions walk every cell and for textcaps
+        scenes given ``placed`` (per sample, ``S.textcaps_cells``)."""
         import torch
 
         rows, pix, grids = [], [], []
@@ -443,27 +445,34 @@ class BatchBuilder:
             batch.update(pixel_values_videos=pv, video_grid_thw=thw)
         else:
             batch.update(pixel_values=pv, image_grid_thw=thw)
-        if ground is not None and task == "detailcaps" and ground.every_cell:
-            batch["ground"] = self.ground_targets(samples, ground, thw, L)
+        if ground is not None and (task == "detailcaps" and ground.every_cell or task == "textcaps" and placed):
+            batch["ground"] = self.ground_targets(task, samples, ground, thw, L, placed)
         return batch
 
-    def ground_targets(self, samples, lay: S.SceneLayout, grid_thw, length: int):
-        """(B, T, T) bool: row q marks the visual tokens of the cell that the description is at when position q
-        predicts an attribute word (the step that writes it), and is empty at every other position."""
+    def ground_targets(self, task: str, samples, lay: S.SceneLayout, grid_thw, length: int,
+                       placed: list[list[int]] | None = None):
+        """(B, T, T) bool: row q marks the visual tokens of the cell the answer is about when position q predicts
+        an attribute word (the step that writes it), and is empty at every other position. That cell is, in a
+        detailcaps description, the one its last "row .. , column .." named; in a textcaps caption, the cell
+        that holds the phrase's object (``placed[i][j]`` for sample i's j-th object phrase)."""
         import torch
 
         image_id = self.tok.convert_tokens_to_ids(SPECIAL_TOKENS["image"])
         out = torch.zeros(len(samples), length, length, dtype=torch.bool)
         for i, (frames, text) in enumerate(samples):
-            ids = self.prefix("detailcaps", frames)[0]
+            ids = self.prefix(task, frames)[0]
             where = torch.tensor([j for j, t in enumerate(ids) if t == image_id])  # (tokens,) raster order
             cells = torch.from_numpy(S.token_cells(lay, grid_thw[i]))  # (tokens,)
             words = self.tok.convert_ids_to_tokens(self.target_ids(text)[:-1])
-            described = S.described_cells(words)
+            if task == "detailcaps":
+                about = [None if d is None else d[0] * lay.cols + d[1] for d in S.described_cells(words)]
+            else:
+                about = [None] * len(words)
+                for j, a in enumerate(S.object_phrases(words)):
+                    about[a + 1:a + 5] = [placed[i][j]] * 4
             for k in S.attribute_words(words):
-                if described[k] is not None:
-                    r, c = described[k]
-                    out[i, len(ids) + k - 1, where[cells == r * lay.cols + c]] = True
+                if about[k] is not None:
+                    out[i, len(ids) + k - 1, where[cells == about[k]]] = True
         return out
 
 
@@ -519,11 +528,15 @@ def batch_plan(seed: int, step: int, total_steps: int, batch_scale: float = 1.0,
 
 
 def make_batch(builder: BatchBuilder, seed: int, step: int, total_steps: int, batch_scale: float = 1.0,
-               layout: str = S.DEFAULT_LAYOUT, ground: bool = False):
-    """(task, batch) of one step; ``ground`` adds the attention targets of --ground-loss where the scenes have them."""
+               layout: str = S.DEFAULT_LAYOUT, ground: tuple[str, ...] = ()):
+    """(task, batch) of one step; ``ground`` (tasks) adds the attention targets of --ground-loss to those tasks'
+    batches on ``layout``'s scenes."""
     task, lay, items, strength = batch_plan(seed, step, total_steps, batch_scale, layout)
     samples = [S.render(task, s, idx, n_objects=n, layout=lay, canvas_strength=strength) for s, idx, n in items]
-    return task, builder.build(task, samples, ground=S.get_layout(lay) if ground else None)
+    if task not in ground or lay != layout:
+        return task, builder.build(task, samples)
+    placed = [S.textcaps_cells(s, idx, lay) for s, idx, _ in items] if task == "textcaps" else None
+    return task, builder.build(task, samples, ground=S.get_layout(lay), placed=placed)
 
 
 # ------------------------------------------------------------------------------------- train
@@ -589,10 +602,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the main stage trains the vision tower's patch embedding and blocks at this fraction of the "
                          "learning rate (the merger at the full rate): between 1 (the default) and --freeze-vision")
     ap.add_argument("--ground-loss", type=float, default=0.0, metavar="W",
-                    help="supervised attention: on detailcaps scenes whose description walks every cell, add W times "
-                         "-log(the attention mass of decoder layer --ground-layer on the described cell's visual "
-                         "tokens) at the steps that write an attribute word, averaged over heads and steps "
+                    help="supervised attention: on --layout's scenes of the --ground-tasks, add W times -log(the "
+                         "attention mass of decoder layer --ground-layer on the visual tokens of the cell the answer "
+                         "is about) at the steps that write an attribute word, averaged over heads and steps "
                          "(grounding_loss); 0 (default) is off")
+    ap.add_argument("--ground-tasks", nargs="+", default=["detailcaps"], choices=["detailcaps", "textcaps"],
+                    help="the tasks --ground-loss supervises: detailcaps (the cell the description last named) and "
+                         "textcaps (the cell that holds the phrase's object); default detailcaps")
+    ap.add_argument("--polish-steps", type=int, default=0, metavar="N",
+                    help="after the main stage, N more steps of the curriculum's last phase on fresh scenes (--seed + "
+                         "1) at the constant --polish-lr, with --ground-loss on the --polish-ground-tasks (Polisher); "
+                         "0 (default) skips it")
+    ap.add_argument("--polish-lr", type=float, default=5e-4, help="the polish stage's learning rate")
+    ap.add_argument("--polish-ground-tasks", nargs="+", default=None, choices=["detailcaps", "textcaps"],
+                    help="the tasks --ground-loss supervises in the polish stage (default: --ground-tasks)")
     ap.add_argument("--ground-layer", type=int, default=-1,
                     help="the decoder layer --ground-loss supervises (Python index; default the last)")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
@@ -714,8 +737,9 @@ def init_weights_from(model, path: str) -> None:
     print(f"initialised from {path}", flush=True)
 
 
-RECIPE = ("size", "seed", "layout", "steps", "weight_decay", "sink", "hold_sink", "sink_logit", "sink_ramp",
-          "vision_steps", "freeze_vision", "vision_lr_scale", "ground_loss", "ground_layer")
+MAIN_RECIPE = ("size", "seed", "layout", "steps", "weight_decay", "sink", "hold_sink", "sink_logit", "sink_ramp",
+               "vision_steps", "freeze_vision", "vision_lr_scale", "ground_loss", "ground_layer", "ground_tasks")
+RECIPE = MAIN_RECIPE + ("polish_steps", "polish_lr", "polish_ground_tasks")  # what the polish stage depends on
 VISION_RECIPE = ("size", "seed", "layout", "weight_decay", "vision_steps")  # what the vision stage depends on
 
 
@@ -724,20 +748,21 @@ def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str
     # what checkpoints made before these flags used
     older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False, "sink_logit": HELD_SINK_LOGIT,
              "sink_ramp": None, "vision_steps": 0, "freeze_vision": False, "vision_lr_scale": 1.0,
-             "ground_loss": 0.0, "ground_layer": -1}
+             "ground_loss": 0.0, "ground_layer": -1, "ground_tasks": ["detailcaps"]}
     made = {k: ck["args"].get(k, older.get(k)) for k in keys}
     if made != {k: getattr(args, k) for k in made}:
         raise SystemExit(f"checkpoint {path} was made with {made}; pass the same flags, or --fresh")
 
 
-def load_checkpoint(path: Path, model, opt, args: argparse.Namespace, device,
-                    resume: bool = True) -> tuple[int, float]:
-    """Restore model and optimizer from ``path``; (step, seconds trained). The run must be the same recipe, and
-    to ``resume`` training the same curriculum (an --export only writes the weights out)."""
+def load_checkpoint(path: Path, model, opt, args: argparse.Namespace, device, resume: bool = True,
+                    keys: tuple[str, ...] = MAIN_RECIPE) -> tuple[int, float]:
+    """Restore model and optimizer from ``path``; (step, seconds trained). The run must be the same recipe (its
+    ``keys``: the main stage's by default, so one finished main stage may start several polish stages), and to
+    ``resume`` training the same curriculum (an --export only writes the weights out)."""
     import torch
 
     ck = torch.load(path, map_location=device, weights_only=False)  # our own checkpoint, not dataset content
-    check_recipe(ck, args, path)
+    check_recipe(ck, args, path, keys)
     if resume and ck.get("curriculum") != CURRICULUM_ID:
         raise SystemExit(f"checkpoint {path} was made under another curriculum ({ck.get('curriculum')}, this script "
                          f"has {CURRICULUM_ID}): its remaining batches would differ; start it with --fresh")
@@ -789,6 +814,14 @@ class Trainer:
     def lr(self) -> float:
         return lr_at(self.args, self.step)
 
+    def sink_logit(self) -> float:
+        return sink_logit_at(self.args, self.step)
+
+    def batch(self) -> dict:
+        args = self.args
+        return make_batch(self.builder, args.seed, self.step, args.steps, args.batch_scale, args.layout,
+                          ground=tuple(args.ground_tasks) if args.ground_loss else ())[1]
+
     def checkpoint(self) -> None:
         _atomic_torch_save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                             "elapsed": self.elapsed_before + time.time() - self.t_start, "args": vars(self.args),
@@ -806,12 +839,10 @@ class Trainer:
         import torch
 
         args = self.args
-        _, batch = make_batch(self.builder, args.seed, self.step, args.steps, args.batch_scale, args.layout,
-                              ground=args.ground_loss > 0)
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+        batch = {k: v.to(self.device) for k, v in self.batch().items()}
         n = batch["input_ids"].shape[0]
         if self.sink is not None:
-            self.sink.set_logit(sink_logit_at(args, self.step))
+            self.sink.set_logit(self.sink_logit())
         loss, logits, tgt, mass = optimizer_step(self.model, self.opt, batch, self.lr(), args.ground_loss,
                                                  args.ground_layer)
         if self.sink is not None:
@@ -871,6 +902,38 @@ class Trainer:
                 last_ckpt = time.time()
         self.checkpoint()
         return True
+
+
+class Polisher(Trainer):
+    """--polish-steps: after the main stage, more steps of the curriculum's last phase, at the constant --polish-lr
+    and with --ground-loss on the --polish-ground-tasks. Its batches are those of the main stage's last
+    --polish-steps plan steps drawn with --seed + 1 (the same task mix, fresh scenes). It starts from the finished
+    main stage (model and optimizer) and checkpoints to ``ckpt_path`` (polish.pt), from which it resumes."""
+
+    def __init__(self, args, model, opt, builder, ckpt_path: Path, elapsed_before: float,
+                 sink: HeldSink | None = None):
+        step = 0
+        if ckpt_path.exists() and not args.fresh:
+            step, elapsed_before = load_checkpoint(ckpt_path, model, opt, args, next(model.parameters()).device,
+                                                   keys=RECIPE)
+        super().__init__(args, model, opt, builder, ckpt_path, step, elapsed_before, sink)
+        self.total = args.polish_steps
+
+    def lr(self) -> float:
+        return self.args.polish_lr
+
+    def sink_logit(self) -> float:
+        return sink_logit_at(self.args, self.args.steps)  # where the main stage left it
+
+    def batch(self) -> dict:
+        args = self.args
+        return make_batch(self.builder, args.seed + 1, args.steps - args.polish_steps + self.step, args.steps,
+                          args.batch_scale, args.layout,
+                          ground=tuple(args.polish_ground_tasks) if args.ground_loss else ())[1]
+
+    def log(self, meter: Meter) -> None:
+        print("polish ", end="")
+        super().log(meter)
 
 
 # ------------------------------------------------------------------------------------- vision pretraining
@@ -1014,9 +1077,17 @@ def build_run_model(args: argparse.Namespace, tok, device):
     if not args.vision_lr_scale > 0:
         raise SystemExit(f"--vision-lr-scale {args.vision_lr_scale}: give a fraction > 0 (--freeze-vision stops "
                          "the tower)")
+    args.ground_tasks = sorted(set(args.ground_tasks))  # one spelling per set, for the recipe check
+    args.polish_ground_tasks = sorted(set(args.polish_ground_tasks or args.ground_tasks))
+    last_phase = CURRICULUM[-2][0]  # where the curriculum's last phase starts, as a fraction of --steps
+    if not 0 <= args.polish_steps <= (1 - last_phase) * args.steps:
+        raise SystemExit(f"--polish-steps {args.polish_steps}: give 0 to {int((1 - last_phase) * args.steps)} (its "
+                         f"batches are the last phase's, the last {1 - last_phase:.0%} of --steps)")
+    if not args.polish_lr > 0:
+        raise SystemExit(f"--polish-lr {args.polish_lr}: give a learning rate > 0")
     if args.ground_loss < 0:
         raise SystemExit(f"--ground-loss {args.ground_loss}: give a weight >= 0")
-    if args.ground_loss and not S.get_layout(args.layout).every_cell:
+    if args.ground_loss and "detailcaps" in args.ground_tasks and not S.get_layout(args.layout).every_cell:
         raise SystemExit(f"--ground-loss needs a --layout whose descriptions walk every cell (v3 and later), "
                          f"not {args.layout}")
     n_layers = MODEL_SIZES[args.size]["layers"]
@@ -1057,6 +1128,9 @@ def main(argv=None):
     if args.export:
         if not ckpt_path.exists():
             raise SystemExit(f"--export: no checkpoint at {ckpt_path} (check --run-dir)")
+        polish = run_dir / "polish.pt"
+        if args.polish_steps and polish.exists():  # a polish stage under way: its weights
+            step = f"{step} + polish step {load_checkpoint(polish, model, opt, args, device, False, RECIPE)[0]}"
         model.eval()
         save_assets(model.to("cpu").float(), processor, Path(args.export))
         print(f"exported step {step} to {args.export}", flush=True)
@@ -1078,14 +1152,22 @@ def main(argv=None):
     trainer = Trainer(args, model, opt, BatchBuilder(processor), ckpt_path, step, elapsed_before, sink)
     if not trainer.run():
         return
-    total = elapsed_before + time.time() - trainer.t_start
+    total, steps = elapsed_before + time.time() - trainer.t_start, f"{trainer.step} steps"
+    if args.polish_steps:
+        if args.stop_after is not None:
+            args.stop_after -= trainer.step - trainer.start_step
+        polish = Polisher(args, model, opt, trainer.builder, run_dir / "polish.pt", total, sink)
+        if not polish.run():
+            return
+        total, steps = polish.elapsed_before + time.time() - polish.t_start, f"{steps} + {polish.step} polish steps"
     model.set_attn_implementation({"vision_config": "sdpa", "text_config": "sdpa"})
     model.eval()
     save_assets(model.to("cpu").float(), processor, Path(args.out))
     (run_dir / "train_summary.json").write_text(json.dumps(
-        {"steps": trainer.step, "train_minutes": total / 60, "params": n_params, "out": str(args.out),
+        {"steps": trainer.step, "polish_steps": args.polish_steps, "train_minutes": total / 60, "params": n_params,
+         "out": str(args.out),
          "args": vars(args)}, indent=2))
-    print(f"saved {args.out} after {trainer.step} steps, {total / 60:.1f} min of training", flush=True)
+    print(f"saved {args.out} after {steps}, {total / 60:.1f} min of training", flush=True)
 
 
 if __name__ == "__main__":

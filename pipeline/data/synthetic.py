@@ -325,21 +325,23 @@ def _detailcaps(rng: np.random.Generator, n_objects: int | None, lay: SceneLayou
     return [img], " ".join(parts)
 
 
-def _textcaps(rng: np.random.Generator, lay: SceneLayout) -> tuple[list[np.ndarray], str]:
+def _textcaps_objects(rng: np.random.Generator, lay: SceneLayout) -> list[tuple[int, SceneObject, int]]:
+    """(cell, object, quadrant) of each of a caption's one or two objects, in caption order."""
     n = int(rng.integers(1, 3))
-    quads = sorted(rng.choice(4, size=n, replace=False).tolist())
-    cells: dict[int, SceneObject] = {}
-    phrases = []
-    for q in quads:
+    placed = []
+    for q in sorted(rng.choice(4, size=n, replace=False).tolist()):
         qr, qc = divmod(q, 2)
         # a quadrant's two rows/columns nearest its corner (an odd grid's middle row belongs to neither half)
         r = qr * (lay.rows - 2) + int(rng.integers(2))
         c = qc * (lay.cols - 2) + int(rng.integers(2))
-        obj = _random_object(rng)
-        cells[r * lay.cols + c] = obj
-        phrases.append(f"a {obj.phrase()} at {QUADRANTS[q]}")
-    img = _render_grid(rng, cells, lay)
-    text = " and ".join(phrases) + " ."
+        placed.append((r * lay.cols + c, _random_object(rng), q))
+    return placed
+
+
+def _textcaps(rng: np.random.Generator, lay: SceneLayout) -> tuple[list[np.ndarray], str]:
+    placed = _textcaps_objects(rng, lay)
+    img = _render_grid(rng, {cell: obj for cell, obj, _ in placed}, lay)
+    text = " and ".join(f"a {obj.phrase()} at {QUADRANTS[q]}" for _, obj, q in placed) + " ."
     return [img], text[0].upper() + text[1:]
 
 
@@ -423,6 +425,14 @@ def attribute_words(words: list[str]) -> list[int]:
     """Indices of the size, colour, texture and shape words of every object phrase: the words only the object's
     own pixels tell."""
     return [i + off for i in object_phrases(words) for off in range(1, 5)]
+
+
+def textcaps_cells(seed: int, index: int, layout: str = DEFAULT_LAYOUT) -> list[int]:
+    """The cell (row * cols + col) of each object of ``render("textcaps", seed, index, layout=layout)``, in
+    caption order. A caption names only its objects' quadrants; which of a quadrant's cells holds the object is
+    the generator's draw, replayed here."""
+    rng = np.random.default_rng([int(seed), _TASK_CODE["textcaps"], int(index)])
+    return [cell for cell, _, _ in _textcaps_objects(rng, get_layout(layout))]
 
 
 def token_cells(lay: SceneLayout, grid_thw, patch: int = 28) -> np.ndarray:

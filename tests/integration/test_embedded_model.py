@@ -521,6 +521,37 @@ def test_ground_targets_mark_the_described_cells_tokens_at_attribute_steps():
     assert "ground" not in builder.build("detailcaps", [S.render("detailcaps", 3, 0, layout="v1")], S.get_layout("v1"))
 
 
+def test_ground_targets_mark_the_captioned_objects_cell_at_textcaps_attribute_steps():
+    """--ground-tasks textcaps: on a v5 textcaps batch, the position that predicts each of an object phrase's four
+    attribute words targets the 4 x 4 tokens of the cell where that object is drawn (found here from the image's
+    pixels of the phrase's colour in its named quadrant), and nothing else; make_batch adds targets only to the
+    --ground-tasks' batches on --layout's scenes."""
+    builder = T.BatchBuilder(T.build_processor(T.build_tokenizer()))
+    samples = [S.render("textcaps", 3, i, layout="v5") for i in range(4)]
+    batch = builder.build("textcaps", samples, ground=S.get_layout("v5"),
+                          placed=[S.textcaps_cells(3, i, "v5") for i in range(4)])
+    target, image_id = batch["ground"], builder.tok.convert_tokens_to_ids(T.SPECIAL_TOKENS["image"])
+    for i, (frames, text) in enumerate(samples):
+        first = int((batch["input_ids"][i] == image_id).nonzero()[0])
+        start = int((batch["labels"][i] != -100).nonzero()[0])
+        words, want = text.split(" "), {}
+        for k in (k for k, w in enumerate(words) if w.lower() == "a"):  # "a big red plain circle at the top left"
+            quadrant = S.QUADRANTS.index(" ".join(words[k + 6:k + 9]))
+            ys, xs = np.all(frames[0] == np.array(S.COLOURS[words[k + 2]]), axis=-1).nonzero()
+            mine = (ys < 2 * 112 if quadrant < 2 else ys >= 3 * 112) & (xs < 224 if quadrant % 2 == 0 else xs >= 224)
+            r, c = int(np.median(ys[mine])) // 112, int(np.median(xs[mine])) // 112
+            block = {first + (4 * r + y) * 16 + 4 * c + x for y in range(4) for x in range(4)}
+            want.update({start + k + off - 1: block for off in range(1, 5)})
+        rows = target[i].any(-1).nonzero().squeeze(-1).tolist()
+        assert {q: set(target[i, q].nonzero().squeeze(-1).tolist()) for q in rows} == want and want
+    steps = {T.batch_plan(0, step, 100, 0.25, "v5")[:2]: step for step in range(100)}
+    assert {("textcaps", "v5"), ("textcaps", "v1"), ("detailcaps", "v5")} <= set(steps)
+    for (task, lay), step in steps.items():
+        for ground in ((), ("detailcaps",), ("textcaps",), ("detailcaps", "textcaps")):
+            _, batch = T.make_batch(builder, 0, step, 100, 0.25, "v5", ground=ground)
+            assert ("ground" in batch) == (task in ground and lay == "v5" and task != "video"), (task, lay, ground)
+
+
 def test_ground_loss_pulls_the_supervised_layers_attention_to_the_cell():
     """grounding_loss through optimizer_step: from one initialisation and on one v5 batch, steps with
     --ground-loss 1 raise layer 1's mean attention mass on the targeted tokens five-fold, and steps without it
@@ -555,20 +586,73 @@ def test_ground_loss_pulls_the_supervised_layers_attention_to_the_cell():
 
 def test_ground_loss_flags_are_checked_and_part_of_the_recipe(tmp_path, capsys):
     """--ground-loss trains end to end (v5 batches with targets among its steps print their mass on them), bad
-    values are refused naming the flag, and its checkpoint resumes only under the same weight."""
+    values are refused naming the flag, and its checkpoint resumes only under the same weight and tasks."""
     common = ["--size", "tiny", "--layout", "v5", "--steps", "5", "--threads", "1", "--warmup", "1",
               "--batch-scale", "0.25", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "model")]
     assert T.batch_plan(0, 4, 5, 0.25, "v5")[:2] == ("detailcaps", "v5")  # the last step has targets
     T.main(common + ["--ground-loss", "1", "--stop-after", "3"])
     with pytest.raises(SystemExit, match="ground_loss"):
         T.main(common + ["--ground-loss", "2"])
-    T.main(common + ["--ground-loss", "1"])  # resumes; the final log line covers steps 4 and 5
+    with pytest.raises(SystemExit, match="ground_tasks"):
+        T.main(common + ["--ground-loss", "1", "--ground-tasks", "textcaps", "detailcaps"])
+    # resumes (the default tasks, spelled out); the last log line is steps 4-5
+    T.main(common + ["--ground-loss", "1", "--ground-tasks", "detailcaps"])
     assert " cell 0." in capsys.readouterr().out.splitlines()[-2]
     assert (tmp_path / "model" / "config.json").is_file()
     for bad, flag in ((["--ground-loss", "-1"], "--ground-loss"), (["--ground-layer", "2"], "--ground-layer"),
                       (["--ground-loss", "1", "--layout", "v2"], "--layout")):
         with pytest.raises(SystemExit, match=flag):
             T.main(common + ["--fresh"] + bad)
+
+
+def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
+    """--polish-steps: a finished main stage's checkpoint, copied into a new run directory, starts a polish stage
+    (the main stage's recipe check ignores the polish flags); the polish stage trains --polish-steps more steps on
+    the last phase's batches drawn with --seed + 1, grounding the --polish-ground-tasks, at --polish-lr; it
+    checkpoints, resumes only under the same polish flags, and bad values are refused naming the flag."""
+    import shutil
+
+    common = ["--size", "tiny", "--layout", "v5", "--steps", "10", "--threads", "1", "--warmup", "1",
+              "--batch-scale", "0.25", "--ground-loss", "1"]
+    main_dir, polish_dir = tmp_path / "main", tmp_path / "polish"
+    T.main(common + ["--run-dir", str(main_dir), "--out", str(main_dir / "model")])
+    polish_dir.mkdir()
+    shutil.copy(main_dir / "ckpt.pt", polish_dir / "ckpt.pt")
+    flags = ["--run-dir", str(polish_dir), "--out", str(polish_dir / "model"), "--polish-steps", "4",
+             "--polish-lr", "1e-3", "--polish-ground-tasks", "textcaps", "detailcaps"]
+    capsys.readouterr()
+    T.main(common + flags + ["--stop-after", "2"])
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 10" in out and "--stop-after 2: checkpointed at step 2" in out
+    with pytest.raises(SystemExit, match="polish_lr"):
+        T.main(common + flags[:-5] + ["--polish-lr", "2e-3", "--polish-ground-tasks", "textcaps", "detailcaps"])
+    T.main(common + flags)
+    out = capsys.readouterr().out
+    assert f"resumed from {polish_dir / 'polish.pt'} at step 2" in out and "polish step 4/4" in out
+    assert "lr 1.00e-03" in out
+    assert "after 10 steps + 4 polish steps" in out and (polish_dir / "model" / "config.json").is_file()
+    main_w = torch.load(main_dir / "ckpt.pt", weights_only=False)["model"]
+    polish_w = torch.load(polish_dir / "polish.pt", weights_only=False)["model"]
+    assert any(not torch.equal(main_w[k], polish_w[k]) for k in main_w)
+
+    # its batches: the last phase's plan steps, seed + 1, with the polish stage's targets
+    args = T.parse_args(common + flags)
+    T.build_run_model(args, T.build_tokenizer(), "cpu")  # normalises the task lists
+    args.steps, args.polish_steps = 22, 8  # seed 1's plan steps 14-21 of 22 hold a textcaps batch
+    builder = T.BatchBuilder(T.build_processor(T.build_tokenizer()))
+    polisher = T.Polisher.__new__(T.Polisher)
+    polisher.args, polisher.builder = args, builder
+    grounded = set()
+    for step in range(8):
+        polisher.step = step
+        got = polisher.batch()
+        task, want = T.make_batch(builder, 1, 14 + step, 22, 0.25, "v5", ground=("detailcaps", "textcaps"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        grounded |= {task} if "ground" in got else set()
+    assert "textcaps" in grounded
+    for bad, flag in ((["--polish-steps", "5"], "--polish-steps"), (["--polish-lr", "0"], "--polish-lr")):
+        with pytest.raises(SystemExit, match=flag):
+            T.main(common + ["--run-dir", str(tmp_path / "bad"), "--fresh"] + bad)
 
 
 def test_held_sink_survives_training_and_takes_the_idle_mass(tmp_path):

@@ -219,6 +219,30 @@ def test_textcaps_short_and_video_frames():
     assert not np.array_equal(frames[0], frames[-1]) or "stays" in vtext
 
 
+@pytest.mark.parametrize("layout", ["v1", "v5"])
+def test_textcaps_cells_are_where_each_captioned_object_is_drawn(layout):
+    """textcaps_cells replays the generator's placement: the j-th cell lies in the quadrant the caption names for
+    its j-th object, and the pixels of the object's colour lie in that cell and nowhere else."""
+    lay = S.LAYOUTS[layout]
+    for i in range(12):
+        frames, text = S.render("textcaps", 5, i, layout=layout)
+        cells = S.textcaps_cells(5, i, layout)
+        phrases = text[:-2].lower().split(" and ")  # "a big red plain circle at the top left"
+        assert len(cells) == len(phrases) and len(set(cells)) == len(cells)
+        # cell -> object colour, one entry per object
+        colour = {cell: p.split()[2] for cell, p in zip(cells, phrases)}
+        for cell, phrase in zip(cells, phrases):
+            r, c = divmod(cell, lay.cols)
+            quadrant = S.QUADRANTS.index(phrase.split(" at ")[1])
+            assert (r < lay.rows // 2, c < lay.cols // 2) == (quadrant < 2, quadrant % 2 == 0), (phrase, r, c)
+        img = frames[0]
+        for rgb_name in set(colour.values()):
+            hit = np.all(img == np.array(S.COLOURS[rgb_name]), axis=-1)  # (H, W)
+            ys, xs = hit.nonzero()
+            drawn = set(((ys // lay.cell) * lay.cols + xs // lay.cell).tolist())
+            assert drawn == {cell for cell, name in colour.items() if name == rgb_name}, (i, rgb_name)
+
+
 @pytest.mark.parametrize("layout", list(S.LAYOUTS))
 def test_vocabulary_covers_everything(layout):
     vocab = set(S.vocabulary())

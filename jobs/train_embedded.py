@@ -1153,7 +1153,7 @@ def main(argv=None):
     if not trainer.run():
         return
     total, steps = elapsed_before + time.time() - trainer.t_start, f"{trainer.step} steps"
-    if args.polish_steps:
+    if args.polish_steps and trainer.step >= args.steps:  # not after a main stage cut short by --minutes
         if args.stop_after is not None:
             args.stop_after -= trainer.step - trainer.start_step
         polish = Polisher(args, model, opt, trainer.builder, run_dir / "polish.pt", total, sink)

@@ -636,12 +636,12 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
     assert any(not torch.equal(main_w[k], polish_w[k]) for k in main_w)
 
     # its batches: the last phase's plan steps, seed + 1, with the polish stage's targets
-    args = T.parse_args(common + flags)
-    T.build_run_model(args, T.build_tokenizer(), "cpu")  # normalises the task lists
-    args.steps, args.polish_steps = 22, 8  # seed 1's plan steps 14-21 of 22 hold a textcaps batch
-    builder = T.BatchBuilder(T.build_processor(T.build_tokenizer()))
-    polisher = T.Polisher.__new__(T.Polisher)
-    polisher.args, polisher.builder = args, builder
+    # seed 1's plan steps 14-21 of 22 hold a textcaps batch
+    args = T.parse_args(common + flags + ["--steps", "22", "--polish-steps", "8", "--fresh"])
+    tok = T.build_tokenizer()
+    model, sink = T.build_run_model(args, tok, "cpu")
+    builder = T.BatchBuilder(T.build_processor(tok))
+    polisher = T.Polisher(args, model, T.main_optimizer(model, args), builder, tmp_path / "unused.pt", 0.0, sink)
     grounded = set()
     for step in range(8):
         polisher.step = step

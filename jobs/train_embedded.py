@@ -738,10 +738,12 @@ def init_weights_from(model, path: str) -> None:
     print(f"initialised from {path}", flush=True)
 
 
-MAIN_RECIPE = ("size", "seed", "layout", "steps", "weight_decay", "sink", "hold_sink", "sink_logit", "sink_ramp",
-               "vision_steps", "freeze_vision", "vision_lr_scale", "ground_loss", "ground_layer", "ground_tasks")
+MAIN_RECIPE = ("size", "seed", "layout", "steps", "lr", "warmup", "weight_decay", "batch_scale", "sink", "hold_sink",
+               "sink_logit", "sink_ramp", "vision_steps", "freeze_vision", "vision_lr_scale", "ground_loss",
+               "ground_layer", "ground_tasks")
 RECIPE = MAIN_RECIPE + ("polish_steps", "polish_lr", "polish_ground_tasks")  # what the polish stage depends on
-VISION_RECIPE = ("size", "seed", "layout", "weight_decay", "vision_steps")  # what the vision stage depends on
+# what the vision stage depends on
+VISION_RECIPE = ("size", "seed", "layout", "lr", "warmup", "weight_decay", "vision_steps")
 
 
 def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str, ...] = RECIPE) -> None:
@@ -751,8 +753,11 @@ def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str
              "sink_ramp": None, "vision_steps": 0, "freeze_vision": False, "vision_lr_scale": 1.0,
              "ground_loss": 0.0, "ground_layer": -1, "ground_tasks": ["detailcaps"]}
     made = {k: ck["args"].get(k, older.get(k)) for k in keys}
-    if made != {k: getattr(args, k) for k in made}:
-        raise SystemExit(f"checkpoint {path} was made with {made}; pass the same flags, or --fresh")
+    differ = [f"--{k.replace('_', '-')} {made[k]} (this run: {getattr(args, k)})" for k in keys
+              if made[k] != getattr(args, k)]
+    if differ:
+        raise SystemExit(f"checkpoint {path} was made with other recipe flags: {', '.join(differ)}; pass the same "
+                         "flags, or --fresh")
 
 
 def load_checkpoint(path: Path, model, opt, args: argparse.Namespace, device, resume: bool = True,

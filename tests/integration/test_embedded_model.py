@@ -353,7 +353,8 @@ def test_vision_stage_trains_the_tower_alone_and_resumes_exactly(tmp_path):
     T.main(common + ["--run-dir", str(b), "--out", str(b / "model")])
     wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    with pytest.raises(SystemExit, match="vision_steps"):  # the main stage's checkpoint belongs to this recipe
+    # the main stage's checkpoint belongs to this recipe
+    with pytest.raises(SystemExit, match="other recipe flags:.*--vision-steps "):
         T.main([x if x != "4" else "5" for x in common] + ["--run-dir", str(b), "--out", str(b / "model")])
 
     # --freeze-vision: the main stage moves the merger only; the tower stays as the vision stage left it
@@ -399,7 +400,8 @@ def test_vision_lr_scale_slows_the_tower_body_alone(tmp_path, capsys):
     for bad in (["--vision-lr-scale", "0"], ["--vision-lr-scale", "0.5", "--freeze-vision"]):
         with pytest.raises(SystemExit, match="--vision-lr-scale"):
             T.main(common + ["--run-dir", str(tmp_path / "bad"), "--fresh"] + bad)
-    with pytest.raises(SystemExit, match="vision_lr_scale"):  # the main stage's checkpoint belongs to its recipe
+    # the main stage's checkpoint belongs to its recipe
+    with pytest.raises(SystemExit, match="other recipe flags:.*--vision-lr-scale "):
         T.main(common + ["--run-dir", str(slow), "--out", str(slow / "model"), "--vision-lr-scale", "0.2"])
 
 
@@ -591,10 +593,14 @@ def test_ground_loss_flags_are_checked_and_part_of_the_recipe(tmp_path, capsys):
               "--batch-scale", "0.25", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "model")]
     assert T.batch_plan(0, 4, 5, 0.25, "v5")[:2] == ("detailcaps", "v5")  # the last step has targets
     T.main(common + ["--ground-loss", "1", "--stop-after", "3"])
-    with pytest.raises(SystemExit, match="ground_loss"):
+    with pytest.raises(SystemExit, match="other recipe flags:.*--ground-loss "):
         T.main(common + ["--ground-loss", "2"])
-    with pytest.raises(SystemExit, match="ground_tasks"):
+    with pytest.raises(SystemExit, match="other recipe flags:.*--ground-tasks "):
         T.main(common + ["--ground-loss", "1", "--ground-tasks", "textcaps", "detailcaps"])
+    # the optimiser's schedule and the batches are the recipe too
+    for flag, value in (("--lr", "0.001"), ("--warmup", "2"), ("--batch-scale", "0.5")):
+        with pytest.raises(SystemExit, match=f"other recipe flags: {flag} .* \\(this run: {value}\\)"):
+            T.main(common + ["--ground-loss", "1", flag, value])
     # resumes (the default tasks, spelled out); the last log line is steps 4-5
     T.main(common + ["--ground-loss", "1", "--ground-tasks", "detailcaps"])
     assert " cell 0." in capsys.readouterr().out.splitlines()[-2]
@@ -624,7 +630,7 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
     T.main(common + flags + ["--stop-after", "2"])
     out = capsys.readouterr().out
     assert "resumed from" in out and "at step 10" in out and "--stop-after 2: checkpointed at step 2" in out
-    with pytest.raises(SystemExit, match="polish_lr"):
+    with pytest.raises(SystemExit, match="other recipe flags:.*--polish-lr "):
         T.main(common + flags[:-5] + ["--polish-lr", "2e-3", "--polish-ground-tasks", "textcaps", "detailcaps"])
     T.main(common + flags)
     out = capsys.readouterr().out

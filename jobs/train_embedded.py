@@ -5,8 +5,8 @@ template, a tiny ``Qwen2VLForConditionalGeneration``) and saved in Hugging Face 
 loads offline with ``from_pretrained(<dir>)`` and runs through the same code paths as Qwen2-VL-7B.
 
     python jobs/train_embedded.py --layout v5 --vision-steps 800 --vision-lr-scale 0.1 --hold-sink \
-        --sink-logit 10 --sink-ramp 0.3 0.45 --ground-loss 1 --steps 4500 --polish-steps 400 --polish-lr 5e-4 \
-        --polish-ground-tasks detailcaps textcaps   # the shipped model (run X); resumes
+        --sink-logit 10 --sink-ramp 0.3 0.45 --ground-loss 1 --steps 4500 --polish-steps 1200 --polish-lr 5e-4 \
+        --polish-ground-tasks detailcaps textcaps   # the shipped model (run Y); resumes
     python jobs/train_embedded.py                       # run I's recipe on v4, bootstrapped on v1 (no sink)
     python jobs/train_embedded.py --device cuda         # minutes on a GPU
     python jobs/train_embedded.py --minutes 2 --out runs/smoke --run-dir runs/smoke   # smoke run

@@ -615,6 +615,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "1) at the constant --polish-lr, with --ground-loss on the --polish-ground-tasks (Polisher); "
                          "0 (default) skips it")
     ap.add_argument("--polish-lr", type=float, default=5e-4, help="the polish stage's learning rate")
+    ap.add_argument("--polish-seed", type=int, default=None, metavar="S",
+                    help="the seed the polish stage's scenes are drawn with (default: --seed + 1, scenes the main "
+                         "stage never saw); other seeds measure how much a polish stage depends on its scenes")
     ap.add_argument("--polish-ground-tasks", nargs="+", default=None, choices=["detailcaps", "textcaps"],
                     help="the tasks --ground-loss supervises in the polish stage (default: --ground-tasks)")
     ap.add_argument("--ground-layer", type=int, default=-1,
@@ -741,7 +744,7 @@ def init_weights_from(model, path: str) -> None:
 MAIN_RECIPE = ("size", "seed", "layout", "steps", "lr", "warmup", "weight_decay", "batch_scale", "sink", "hold_sink",
                "sink_logit", "sink_ramp", "vision_steps", "freeze_vision", "vision_lr_scale", "ground_loss",
                "ground_layer", "ground_tasks")
-RECIPE = MAIN_RECIPE + ("polish_steps", "polish_lr", "polish_ground_tasks")  # what the polish stage depends on
+RECIPE = MAIN_RECIPE + ("polish_steps", "polish_lr", "polish_ground_tasks", "polish_seed")  # the polish stage's
 # what the vision stage depends on
 VISION_RECIPE = ("size", "seed", "layout", "lr", "warmup", "weight_decay", "vision_steps")
 
@@ -751,7 +754,8 @@ def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str
     # what checkpoints made before these flags used
     older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False, "sink_logit": HELD_SINK_LOGIT,
              "sink_ramp": None, "vision_steps": 0, "freeze_vision": False, "vision_lr_scale": 1.0,
-             "ground_loss": 0.0, "ground_layer": -1, "ground_tasks": ["detailcaps"]}
+             "ground_loss": 0.0, "ground_layer": -1, "ground_tasks": ["detailcaps"],
+             "polish_seed": ck["args"].get("seed", 0) + 1}
     made = {k: ck["args"].get(k, older.get(k)) for k in keys}
     differ = [f"--{k.replace('_', '-')} {made[k]} (this run: {getattr(args, k)})" for k in keys
               if made[k] != getattr(args, k)]
@@ -913,8 +917,9 @@ class Trainer:
 class Polisher(Trainer):
     """--polish-steps: after the main stage, more steps of the curriculum's last phase, at the constant --polish-lr
     and with --ground-loss on the --polish-ground-tasks. Its batches are those of the main stage's last
-    --polish-steps plan steps drawn with --seed + 1 (the same task mix, fresh scenes). It starts from the finished
-    main stage (model and optimizer) and checkpoints to ``ckpt_path`` (polish.pt), from which it resumes."""
+    --polish-steps plan steps drawn with --polish-seed (default --seed + 1: the same task mix, fresh scenes). It
+    starts from the finished main stage (model and optimizer) and checkpoints to ``ckpt_path`` (polish.pt), from
+    which it resumes."""
 
     def __init__(self, args, model, opt, builder, ckpt_path: Path, elapsed_before: float,
                  sink: HeldSink | None = None):
@@ -933,7 +938,7 @@ class Polisher(Trainer):
 
     def batch(self) -> dict:
         args = self.args
-        return make_batch(self.builder, args.seed + 1, args.steps - args.polish_steps + self.step, args.steps,
+        return make_batch(self.builder, args.polish_seed, args.steps - args.polish_steps + self.step, args.steps,
                           args.batch_scale, args.layout,
                           ground=tuple(args.polish_ground_tasks) if args.ground_loss else ())[1]
 
@@ -1091,6 +1096,14 @@ def build_run_model(args: argparse.Namespace, tok, device):
                          f"batches are the last phase's, the last {1 - last_phase:.0%} of --steps)")
     if not args.polish_lr > 0:
         raise SystemExit(f"--polish-lr {args.polish_lr}: give a learning rate > 0")
+    if args.polish_seed is None:
+        args.polish_seed, polish_seed = args.seed + 1, f"--polish-seed {args.seed + 1} (--seed + 1)"
+    else:
+        polish_seed = f"--polish-seed {args.polish_seed}"
+    for flag, seed in ((f"--seed {args.seed}", args.seed), (polish_seed, args.polish_seed)):
+        if seed == S.HELDOUT_SEED:  # scene (seed, i) is the same scene in training and in evaluation
+            raise SystemExit(f"{flag}: that is the seed held-out evaluation draws its scenes with "
+                             "(synthetic.HELDOUT_SEED); give another")
     if args.ground_loss < 0:
         raise SystemExit(f"--ground-loss {args.ground_loss}: give a weight >= 0")
     if args.ground_loss and "detailcaps" in args.ground_tasks and not S.get_layout(args.layout).every_cell:

@@ -656,7 +656,18 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         grounded |= {task} if "ground" in got else set()
     assert "textcaps" in grounded
-    for bad, flag in ((["--polish-steps", "5"], "--polish-steps"), (["--polish-lr", "0"], "--polish-lr")):
+    # --polish-seed draws them with another seed, and is part of the polish stage's recipe
+    args = T.parse_args(common + flags + ["--steps", "22", "--polish-steps", "8", "--polish-seed", "5", "--fresh"])
+    polisher = T.Polisher(args, model, T.main_optimizer(model, args), builder, tmp_path / "unused.pt", 0.0, sink)
+    polisher.step = 3
+    want = T.make_batch(builder, 5, 17, 22, 0.25, "v5", ground=("detailcaps", "textcaps"))[1]
+    assert all(torch.equal(polisher.batch()[k], want[k]) for k in want)
+    with pytest.raises(SystemExit, match="other recipe flags:.*--polish-seed 1 \\(this run: 2\\)"):
+        T.main(common + flags + ["--polish-seed", "2"])
+    for bad, flag in ((["--polish-steps", "5"], "--polish-steps"), (["--polish-lr", "0"], "--polish-lr"),
+                      (["--polish-seed", str(S.HELDOUT_SEED)], "--polish-seed"),
+                      (["--seed", str(S.HELDOUT_SEED - 1)], r"--polish-seed 10000 \(--seed \+ 1\)"),
+                      (["--seed", str(S.HELDOUT_SEED)], "--seed 10000:")):
         with pytest.raises(SystemExit, match=flag):
             T.main(common + ["--run-dir", str(tmp_path / "bad"), "--fresh"] + bad)
 

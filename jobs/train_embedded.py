@@ -1097,13 +1097,11 @@ def build_run_model(args: argparse.Namespace, tok, device):
     if not args.polish_lr > 0:
         raise SystemExit(f"--polish-lr {args.polish_lr}: give a learning rate > 0")
     if args.polish_seed is None:
-        args.polish_seed, polish_seed = args.seed + 1, f"--polish-seed {args.seed + 1} (--seed + 1)"
-    else:
-        polish_seed = f"--polish-seed {args.polish_seed}"
-    for flag, seed in ((f"--seed {args.seed}", args.seed), (polish_seed, args.polish_seed)):
+        args.polish_seed = args.seed + 1
+    for flag, seed in (("--seed", args.seed), ("--polish-seed", args.polish_seed)):
         if seed == S.HELDOUT_SEED:  # scene (seed, i) is the same scene in training and in evaluation
-            raise SystemExit(f"{flag}: that is the seed held-out evaluation draws its scenes with "
-                             "(synthetic.HELDOUT_SEED); give another")
+            raise SystemExit(f"{flag} {seed}: that is the seed held-out evaluation draws its scenes with "
+                             "(synthetic.HELDOUT_SEED; --polish-seed defaults to --seed + 1); give another")
     if args.ground_loss < 0:
         raise SystemExit(f"--ground-loss {args.ground_loss}: give a weight >= 0")
     if args.ground_loss and "detailcaps" in args.ground_tasks and not S.get_layout(args.layout).every_cell:

@@ -666,7 +666,7 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
         T.main(common + flags + ["--polish-seed", "2"])
     for bad, flag in ((["--polish-steps", "5"], "--polish-steps"), (["--polish-lr", "0"], "--polish-lr"),
                       (["--polish-seed", str(S.HELDOUT_SEED)], "--polish-seed"),
-                      (["--seed", str(S.HELDOUT_SEED - 1)], r"--polish-seed 10000 \(--seed \+ 1\)"),
+                      (["--seed", str(S.HELDOUT_SEED - 1)], "--polish-seed 10000:"),
                       (["--seed", str(S.HELDOUT_SEED)], "--seed 10000:")):
         with pytest.raises(SystemExit, match=flag):
             T.main(common + ["--run-dir", str(tmp_path / "bad"), "--fresh"] + bad)

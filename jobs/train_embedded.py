@@ -469,8 +469,9 @@ class BatchBuilder:
                 about = [None if d is None else d[0] * lay.cols + d[1] for d in S.described_cells(words)]
             else:
                 about = [None] * len(words)
+                n = S.PHRASE_ATTRIBUTES
                 for j, a in enumerate(S.object_phrases(words)):
-                    about[a + 1:a + 5] = [placed[i][j]] * 4
+                    about[a + 1:a + 1 + n] = [placed[i][j]] * n
             for k in S.attribute_words(words):
                 if about[k] is not None:
                     out[i, len(ids) + k - 1, where[cells == about[k]]] = True
@@ -611,9 +612,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the tasks --ground-loss supervises: detailcaps (the cell the description last named) and "
                          "textcaps (the cell that holds the phrase's object); default detailcaps")
     ap.add_argument("--polish-steps", type=int, default=0, metavar="N",
-                    help="after the main stage, N more steps of the curriculum's last phase on fresh scenes (--seed + "
-                         "1) at the constant --polish-lr, with --ground-loss on the --polish-ground-tasks (Polisher); "
-                         "0 (default) skips it")
+                    help="after the main stage, N more steps of the curriculum's last phase on fresh scenes "
+                         "(--polish-seed) at the constant --polish-lr, with --ground-loss on the --polish-ground-tasks "
+                         "(Polisher); 0 (default) skips it")
     ap.add_argument("--polish-lr", type=float, default=5e-4, help="the polish stage's learning rate")
     ap.add_argument("--polish-seed", type=int, default=None, metavar="S",
                     help="the seed the polish stage's scenes are drawn with (default: --seed + 1, scenes the main "
@@ -1182,8 +1183,7 @@ def main(argv=None):
     save_assets(model.to("cpu").float(), processor, Path(args.out))
     (run_dir / "train_summary.json").write_text(json.dumps(
         {"steps": trainer.step, "polish_steps": args.polish_steps, "train_minutes": total / 60, "params": n_params,
-         "out": str(args.out),
-         "args": vars(args)}, indent=2))
+         "out": str(args.out), "args": vars(args)}, indent=2))
     print(f"saved {args.out} after {steps}, {total / 60:.1f} min of training", flush=True)
 
 

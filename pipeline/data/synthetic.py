@@ -415,16 +415,20 @@ def described_cells(words: list[str]) -> list[tuple[int, int] | None]:
     return out
 
 
+PHRASE_ATTRIBUTES = 4  # the words after an object phrase's "a": size, colour, texture, shape (SceneObject.phrase)
+
+
 def object_phrases(words: list[str]) -> list[int]:
     """Indices of the "a" (or a caption's "A") that opens each object phrase, "a <size> <colour> <texture>
     <shape>", in a tokenised description or caption."""
-    return [i for i, w in enumerate(words) if w.lower() == "a" and i + 4 < len(words) and words[i + 4] in SHAPES]
+    n = PHRASE_ATTRIBUTES
+    return [i for i, w in enumerate(words) if w.lower() == "a" and i + n < len(words) and words[i + n] in SHAPES]
 
 
 def attribute_words(words: list[str]) -> list[int]:
     """Indices of the size, colour, texture and shape words of every object phrase: the words only the object's
     own pixels tell."""
-    return [i + off for i in object_phrases(words) for off in range(1, 5)]
+    return [i + off for i in object_phrases(words) for off in range(1, PHRASE_ATTRIBUTES + 1)]
 
 
 def textcaps_cells(seed: int, index: int, layout: str = DEFAULT_LAYOUT) -> list[int]:

@@ -11,6 +11,9 @@ averaged over answer steps and samples:
   idle mass on them as on a sink spread over hundreds of entries, which no 32-entry selection holds;
 * ``top-S``: the share of the prefix mass that the best ``--selected`` entries hold, per KV head (what an exact
   per-step selection keeps; the rest is what it drops);
+* ``static``: the same for the best ``--selected`` entries over the whole answer, one set per KV head (what the
+  prefill oracle's selection keeps in this layer): ``top-S`` minus ``static`` is what a selection fixed for the
+  whole answer loses to one re-chosen at every step;
 * ``entries``: the effective number of prefix entries attended, exp(entropy) of the prefix distribution;
 * ``dwell``: how often the most-attended prefix position (mean over heads, as the pipeline's ``top_prefix_pos``)
   is unchanged from the previous step; the paper measures 41% (Qwen2-VL) to 80% (LLaVA-NeXT) over all layers.
@@ -55,7 +58,10 @@ def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: 
     mass = pre.sum(-1)  # (H, steps)
     grp = pre.reshape(n_kv, -1, *pre.shape[1:]).sum(1)  # (Hkv, steps, N): a KV head's selection sees its group
     p = grp / grp.sum(-1, keepdim=True).clamp_min(1e-12)
-    top = p.topk(min(selected, p.shape[-1]), dim=-1).values.sum(-1)
+    k = min(selected, p.shape[-1])
+    top = p.topk(k, dim=-1).values.sum(-1)  # (Hkv, steps)
+    best = p.sum(1).topk(k, dim=-1).indices  # (Hkv, S): the entries with the most mass over the whole answer
+    static = p.gather(-1, best[:, None, :].expand(-1, p.shape[1], -1)).sum(-1)  # (Hkv, steps)
     entries = torch.exp(-(p * p.clamp_min(1e-12).log()).sum(-1))
     argmax = pre.mean(0).argmax(-1)  # (steps,): the most-attended prefix position, mean over heads
     return {
@@ -64,6 +70,7 @@ def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: 
         "flat": ((pre[..., flat].sum(-1) / pre[..., image].sum(-1).clamp_min(1e-12)).mean().item()
                  if flat is not None else float("nan")),
         "top": top.mean().item(),
+        "static": static.mean().item(),
         "entries": entries.mean().item(),
         "dwell": (argmax[1:] == argmax[:-1]).double().mean().item() if len(argmax) > 1 else float("nan"),
         "cell": cell_share(pre, image, at_cell),
@@ -184,13 +191,13 @@ def main(argv=None) -> None:
     lay = S.get_layout(args.layout)
     cells = args.task == "detailcaps" and lay.every_cell
     chance = f"cell (chance {1 / (lay.rows * lay.cols):.3f})" if cells else "cell"
-    print(f"{'layer':>5}  {'kind':<6} {'prefix':>7} {'image':>7} {'flat':>7} {top:>7} {'entries':>8} {'dwell':>7}  "
-          f"{chance}")
+    print(f"{'layer':>5}  {'kind':<6} {'prefix':>7} {'image':>7} {'flat':>7} {top:>7} {'static':>7} {'entries':>8} "
+          f"{'dwell':>7}  {chance}")
     for i, r in enumerate(layers):
         kind = "local" if geo.sliding_windows[i] is not None else "global"
         for name, k, row in [(f"{i}", kind, r)] + [(f"kv{h}", "", x) for h, x in enumerate(r.get("heads", []))]:
             print(f"{name:>5}  {k:<6} {row['prefix']:7.3f} {row['image']:7.3f} {row['flat']:7.3f} {row['top']:7.3f} "
-                  f"{row['entries']:8.1f} {row['dwell']:7.3f}  {row['cell']:7.3f}")
+                  f"{row['static']:7.3f} {row['entries']:8.1f} {row['dwell']:7.3f}  {row['cell']:7.3f}")
     treated = [r for i, r in enumerate(layers) if geo.sliding_windows[i] is None]
     print(f"re-selected layers: mean top-{args.selected} share {np.mean([r['top'] for r in treated]):.3f}, "
           f"dwell {np.mean([r['dwell'] for r in treated]):.3f}")

@@ -621,6 +621,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "stage never saw); other seeds measure how much a polish stage depends on its scenes")
     ap.add_argument("--polish-ground-tasks", nargs="+", default=None, choices=["detailcaps", "textcaps"],
                     help="the tasks --ground-loss supervises in the polish stage (default: --ground-tasks)")
+    ap.add_argument("--polish-share-loss", type=float, default=0.0, metavar="W",
+                    help="in the polish stage, add W times the mean excess of the image's share of attention at the "
+                         "answer steps of the --polish-share-layers over --polish-share-target (image_share_loss): "
+                         "real VLMs put most attention on sink and text positions and little on the image; with it "
+                         "--ground-loss targets the cell's share of the image mass. 0 (default) is off")
+    ap.add_argument("--polish-share-target", type=float, default=0.1, metavar="T",
+                    help="the image share of attention --polish-share-loss allows without a penalty")
+    ap.add_argument("--polish-share-layers", type=int, nargs="+", default=None, metavar="L",
+                    help="the decoder layers --polish-share-loss applies to (default: all)")
     ap.add_argument("--ground-layer", type=int, default=-1,
                     help="the decoder layer --ground-loss supervises (Python index; default the last)")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
@@ -692,26 +701,45 @@ def freeze_tower(model, args: argparse.Namespace) -> None:
                 param.requires_grad_(False)
 
 
-def grounding_loss(attn, target):
+def grounding_loss(attn, target, image=None):
     """Supervised attention: the mean over heads and target rows of -log(the attention mass on the row's
-    targets). ``attn`` (B, H, T, T) one layer's weights, ``target`` (B, T, T) bool (``ground_targets``).
-    Returns (loss, mean mass on the targets), or (None, None) where no row has a target."""
+    targets). ``attn`` (B, H, T, T) one layer's weights, ``target`` (B, T, T) bool (``ground_targets``); with
+    ``image`` ((B, T) bool, the visual tokens) the mass is a share of the row's mass on the image instead of its
+    whole mass. Returns (loss, mean mass on the targets), or (None, None) where no row has a target."""
     import torch
 
     rows = target.any(-1)  # (B, T)
     if not rows.any():
         return None, None
     mass = (attn * target[:, None].to(attn.dtype)).sum(-1)  # (B, H, T)
+    if image is not None:
+        mass = mass / (attn * image[:, None, None, :].to(attn.dtype)).sum(-1).clamp_min(1e-6)
     mass = mass.transpose(1, 2)[rows]  # (rows, H)
     return -torch.log(mass + 1e-4).mean(), mass.detach().mean()
 
 
-def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.0, ground_layer: int = -1):
+def image_share_loss(attentions, rows, image, target: float):
+    """How far the image's share of attention exceeds ``target``: the mean over decoder layers, heads and answer
+    steps of relu(share - target), where share is the attention mass a step puts on visual tokens. ``attentions``
+    one (B, H, T, T) per layer, ``rows`` (B, T) bool the steps that predict an answer token, ``image`` (B, T) bool
+    the visual tokens. Returns (loss, the mean share)."""
+    import torch
+
+    shares = torch.stack([(a * image[:, None, None, :].to(a.dtype)).sum(-1).transpose(1, 2)[rows]
+                          for a in attentions])  # (layers, rows, H)
+    return torch.relu(shares - target).mean(), shares.detach().mean()
+
+
+def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.0, ground_layer: int = -1,
+                   share_weight: float = 0.0, share_target: float = 0.0, share_layers: list[int] | None = None):
     """One AdamW step on a training batch (its "labels" and "ground" popped): cross-entropy on the answer tokens,
     plus ``ground_weight`` times ``grounding_loss`` of decoder layer ``ground_layer`` where the batch has attention
-    targets (the text attention must then be eager, to return its weights); gradient clip 1; each parameter
-    group at ``lr`` times its "lr_scale". Returns (loss, logits (B, T-1, V) fp32, targets (B, T-1), the mean
-    attention mass on the targets or None)."""
+    targets, plus ``share_weight`` times ``image_share_loss`` at ``share_target`` over the decoder layers
+    ``share_layers`` (default all); either loss needs the text attention eager, to return its weights. Gradient
+    clip 1; each parameter group at ``lr`` times its "lr_scale". With ``share_weight`` the grounding target is the
+    cell's share of the layer's *image* mass, so that the two losses do not pull against each other. Returns
+    (loss, logits (B, T-1, V) fp32, targets (B, T-1), the mean attention mass on the grounding targets or None,
+    the mean image share or None)."""
     import torch
 
     for g in opt.param_groups:
@@ -720,16 +748,26 @@ def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.
     target = batch.pop("ground", None)
     if not ground_weight:
         target = None  # the batch has targets, the loss does not use them
-    out = model(**batch, output_attentions=target is not None)
+    out = model(**batch, output_attentions=target is not None or share_weight > 0)
     logits = out.logits[:, :-1].float()
     tgt = labels[:, 1:]
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
-    aux, mass = grounding_loss(out.attentions[ground_layer], target) if target is not None else (None, None)
+    total, mass, share = loss, None, None
+    image = batch["mm_token_type_ids"] != 0  # (B, T) the visual tokens
+    if target is not None:
+        aux, mass = grounding_loss(out.attentions[ground_layer], target, image if share_weight else None)
+        total = total if aux is None else total + ground_weight * aux
+    if share_weight:
+        rows = torch.zeros_like(image)
+        rows[:, :-1] = tgt != -100  # the steps that predict an answer token
+        layers = range(len(out.attentions)) if share_layers is None else share_layers
+        aux, share = image_share_loss([out.attentions[i] for i in layers], rows, image, share_target)
+        total = total + share_weight * aux
     opt.zero_grad(set_to_none=True)
-    (loss if aux is None else loss + ground_weight * aux).backward()
+    total.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return loss, logits, tgt, mass
+    return loss, logits, tgt, mass, share
 
 
 def init_weights_from(model, path: str) -> None:
@@ -745,7 +783,8 @@ def init_weights_from(model, path: str) -> None:
 MAIN_RECIPE = ("size", "seed", "layout", "steps", "lr", "warmup", "weight_decay", "batch_scale", "sink", "hold_sink",
                "sink_logit", "sink_ramp", "vision_steps", "freeze_vision", "vision_lr_scale", "ground_loss",
                "ground_layer", "ground_tasks")
-RECIPE = MAIN_RECIPE + ("polish_steps", "polish_lr", "polish_ground_tasks", "polish_seed")  # the polish stage's
+RECIPE = MAIN_RECIPE + ("polish_steps", "polish_lr", "polish_ground_tasks", "polish_seed", "polish_share_loss",
+                        "polish_share_target", "polish_share_layers")  # the polish stage's
 # what the vision stage depends on
 VISION_RECIPE = ("size", "seed", "layout", "lr", "warmup", "weight_decay", "vision_steps")
 
@@ -756,7 +795,8 @@ def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str
     older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False, "sink_logit": HELD_SINK_LOGIT,
              "sink_ramp": None, "vision_steps": 0, "freeze_vision": False, "vision_lr_scale": 1.0,
              "ground_loss": 0.0, "ground_layer": -1, "ground_tasks": ["detailcaps"],
-             "polish_seed": ck["args"].get("seed", 0) + 1}
+             "polish_seed": ck["args"].get("seed", 0) + 1, "polish_share_loss": 0.0, "polish_share_target": 0.1,
+             "polish_share_layers": None}
     made = {k: ck["args"].get(k, older.get(k)) for k in keys}
     differ = [f"--{k.replace('_', '-')} {made[k]} (this run: {getattr(args, k)})" for k in keys
               if made[k] != getattr(args, k)]
@@ -789,9 +829,10 @@ class Meter:
     def __init__(self):
         self.loss, self.correct, self.count, self.scenes, self.n = 0.0, 0, 0, 0, 0
         self.masses: list[float] = []
+        self.shares: list[float] = []
         self.t0 = time.time()
 
-    def add(self, loss, logits, tgt, n_scenes: int, mass=None) -> None:
+    def add(self, loss, logits, tgt, n_scenes: int, mass=None, share=None) -> None:
         mask = tgt != -100
         self.correct += int(((logits.argmax(-1) == tgt) & mask).sum())
         self.count += int(mask.sum())
@@ -800,10 +841,14 @@ class Meter:
         self.scenes += n_scenes
         if mass is not None:
             self.masses.append(float(mass))
+        if share is not None:
+            self.shares.append(float(share))
 
     def line(self) -> str:
         rate = self.scenes / max(time.time() - self.t0, 1e-9)
         cell = f" cell {sum(self.masses) / len(self.masses):.3f}" if self.masses else ""  # --ground-loss's target
+        if self.shares:  # --polish-share-loss's quantity
+            cell += f" image share {sum(self.shares) / len(self.shares):.3f}"
         return (f"loss {self.loss / max(1, self.n):.4f} tok_acc {self.correct / max(1, self.count):.4f}{cell} "
                 f"scenes/s {rate:.1f}")
 
@@ -827,6 +872,10 @@ class Trainer:
 
     def sink_logit(self) -> float:
         return sink_logit_at(self.args, self.step)
+
+    def share_loss(self) -> tuple[float, float, list[int] | None]:
+        """(weight, target, layers) of ``image_share_loss`` in this stage: off in the main stage."""
+        return 0.0, 0.0, None
 
     def batch(self) -> dict:
         args = self.args
@@ -854,13 +903,13 @@ class Trainer:
         n = batch["input_ids"].shape[0]
         if self.sink is not None:
             self.sink.set_logit(self.sink_logit())
-        loss, logits, tgt, mass = optimizer_step(self.model, self.opt, batch, self.lr(), args.ground_loss,
-                                                 args.ground_layer)
+        loss, logits, tgt, mass, share = optimizer_step(self.model, self.opt, batch, self.lr(), args.ground_loss,
+                                                        args.ground_layer, *self.share_loss())
         if self.sink is not None:
             self.sink.restore()  # undo weight decay on the held entries (their gradients are already zero)
         self.step += 1
         with torch.no_grad():
-            meter.add(loss, logits, tgt, n, mass)
+            meter.add(loss, logits, tgt, n, mass, share)
 
     def log(self, meter: Meter) -> None:
         import torch
@@ -936,6 +985,10 @@ class Polisher(Trainer):
 
     def sink_logit(self) -> float:
         return sink_logit_at(self.args, self.args.steps)  # where the main stage left it
+
+    def share_loss(self) -> tuple[float, float, list[int] | None]:
+        args = self.args
+        return args.polish_share_loss, args.polish_share_target, args.polish_share_layers
 
     def batch(self) -> dict:
         args = self.args
@@ -1068,9 +1121,10 @@ class VisionPretrainer(Trainer):
 
 def training_attention(model, args: argparse.Namespace) -> None:
     """The attention implementations training runs with (the saved model goes back to SDPA): the vision tower's
-    attention over ~1,300 patches of 16-dim heads runs ~13% faster eager than SDPA on CPU, and --ground-loss reads
-    the decoder's attention weights, which only eager attention returns."""
-    model.set_attn_implementation({"vision_config": "eager", **({"text_config": "eager"} if args.ground_loss else {})})
+    attention over ~1,300 patches of 16-dim heads runs ~13% faster eager than SDPA on CPU, and --ground-loss and
+    --polish-share-loss read the decoder's attention weights, which only eager attention returns."""
+    reads = args.ground_loss or args.polish_share_loss
+    model.set_attn_implementation({"vision_config": "eager", **({"text_config": "eager"} if reads else {})})
 
 
 def build_run_model(args: argparse.Namespace, tok, device):
@@ -1105,12 +1159,23 @@ def build_run_model(args: argparse.Namespace, tok, device):
                              "(synthetic.HELDOUT_SEED; --polish-seed defaults to --seed + 1); give another")
     if args.ground_loss < 0:
         raise SystemExit(f"--ground-loss {args.ground_loss}: give a weight >= 0")
+    if args.polish_share_loss < 0:
+        raise SystemExit(f"--polish-share-loss {args.polish_share_loss}: give a weight >= 0")
+    if args.polish_share_loss and not args.polish_steps:
+        raise SystemExit(f"--polish-share-loss {args.polish_share_loss} acts in the polish stage: pass --polish-steps")
+    if not 0 <= args.polish_share_target < 1:
+        raise SystemExit(f"--polish-share-target {args.polish_share_target}: give a share in [0, 1)")
     if args.ground_loss and "detailcaps" in args.ground_tasks and not S.get_layout(args.layout).every_cell:
         raise SystemExit(f"--ground-loss needs a --layout whose descriptions walk every cell (v3 and later), "
                          f"not {args.layout}")
     n_layers = MODEL_SIZES[args.size]["layers"]
     if not -n_layers <= args.ground_layer < n_layers:
         raise SystemExit(f"--ground-layer {args.ground_layer}: --size {args.size} has {n_layers} decoder layers")
+    if args.polish_share_layers is not None:
+        if not all(0 <= i < n_layers for i in args.polish_share_layers):
+            raise SystemExit(f"--polish-share-layers {args.polish_share_layers}: --size {args.size} has decoder "
+                             f"layers 0 to {n_layers - 1}")
+        args.polish_share_layers = sorted(set(args.polish_share_layers))  # one spelling per set, for the recipe
     model = build_model(tok, args.size, seed=args.seed).to(device)
     if args.sink:
         plant_attention_sink(model, tok.convert_tokens_to_ids(SPECIAL_TOKENS["im_start"]))

@@ -182,6 +182,25 @@ def test_attention_profile_finds_the_described_cells_tokens():
         cell_masks(words, lay, image, torch.tensor([1, 24, 24]))
 
 
+def test_attention_profile_static_share_is_what_a_fixed_selection_keeps():
+    """benchmarks/attention_profile.py, columns `top-S` and `static`: attention that reads a new entry at every
+    step is held whole by a per-step selection of 1 and by a fixed one for 1 / steps of it; attention that dwells
+    on one entry is held whole by both."""
+    from benchmarks.attention_profile import layer_profile
+
+    steps, n_prompt = 4, 6
+    moving = torch.zeros(1, n_prompt + steps, n_prompt + steps, dtype=torch.float64)  # (H, T, T)
+    dwelling = moving.clone()
+    for k in range(steps):  # the query that writes answer token k is row n_prompt - 1 + k
+        moving[0, n_prompt - 1 + k, 1 + k] = 1.0
+        dwelling[0, n_prompt - 1 + k, 2] = 1.0
+    image = torch.tensor([False] + [True] * 4 + [False])
+    got = layer_profile(moving, n_prompt, image, 1, selected=1)
+    assert got["top"] == pytest.approx(1.0) and got["static"] == pytest.approx(1 / steps)
+    got = layer_profile(dwelling, n_prompt, image, 1, selected=1)
+    assert got["top"] == pytest.approx(1.0) and got["static"] == pytest.approx(1.0)
+
+
 def test_position_probe_reads_cells_only_from_features_that_hold_them():
     """benchmarks/position_probe.py: v4's tokens map to their 4 x 4 cell blocks, and the linear probe names the
     cell of held-out tokens whose features encode it and not of tokens whose features are noise."""
@@ -586,6 +605,49 @@ def test_ground_loss_pulls_the_supervised_layers_attention_to_the_cell():
     assert masses[0.0] < 2 * chance < 5 * chance < masses[1.0], masses
 
 
+def test_share_loss_moves_attention_off_the_image():
+    """image_share_loss through optimizer_step (--polish-share-loss): its value is the mean excess of the image's
+    share of attention over the target at the answer steps only, and the grounding mass it pairs with is a share of
+    the image's mass; from one initialisation and on one v5 batch, steps with it cut the image's share of every
+    decoder layer's attention to under half of what the same steps without it leave, and of the layers it is given
+    only."""
+    attn = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]]).expand(1, 2, 2, 4)  # (B, H, T, T)
+    image = torch.tensor([[False, True, True, False]])  # (B, T): columns 1-2 are visual tokens
+    rows = torch.tensor([[False, True]])  # only the second row predicts an answer token: share 0.5
+    loss, share = T.image_share_loss([attn, attn], rows, image, 0.2)
+    assert share == pytest.approx(0.5) and loss == pytest.approx(0.3)
+    assert T.image_share_loss([attn], rows, image, 0.6)[0] == 0  # under the target: no penalty
+    target = torch.zeros(1, 2, 4, dtype=torch.bool)  # (B, T, T)
+    target[0, 1, 1] = True  # the cell is column 1: 0.3 of the row's mass, 0.6 of its image mass
+    assert T.grounding_loss(attn, target)[1] == pytest.approx(0.3)
+    assert T.grounding_loss(attn, target, image)[1] == pytest.approx(0.6)
+
+    tok = T.build_tokenizer()
+    builder = T.BatchBuilder(T.build_processor(tok))
+    batch = builder.build("detailcaps", [S.render("detailcaps", 3, i, layout="v5") for i in range(2)],
+                          ground=S.get_layout("v5"))
+    answer = torch.zeros_like(batch["attention_mask"], dtype=torch.bool)
+    answer[:, :-1] = batch["labels"][:, 1:] != -100
+    shares = {}
+    for weight, layers in ((0.0, None), (1.0, None), (1.0, [1])):
+        torch.manual_seed(0)
+        model = T.build_model(tok, "tiny")
+        model.set_attn_implementation({"text_config": "eager", "vision_config": "eager"})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(20):
+            out = T.optimizer_step(model, opt, dict(batch), 1e-2, 1.0, share_weight=weight, share_target=0.0,
+                                   share_layers=layers)
+            assert (out[4] is None) == (weight == 0)
+        with torch.no_grad():
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "ground")}
+            att = model(**inputs, output_attentions=True).attentions
+            shares[weight, layers and tuple(layers)] = [
+                float(T.image_share_loss([a], answer, batch["mm_token_type_ids"] != 0, 0.0)[1]) for a in att]
+    off, on, last = shares[0.0, None], shares[1.0, None], shares[1.0, (1,)]
+    assert all(a < 0.5 * b for a, b in zip(on, off)), shares
+    assert last[1] < 0.5 * off[1] and last[0] > 0.5 * off[0], shares
+
+
 def test_ground_loss_flags_are_checked_and_part_of_the_recipe(tmp_path, capsys):
     """--ground-loss trains end to end (v5 batches with targets among its steps print their mass on them), bad
     values are refused naming the flag, and its checkpoint resumes only under the same weight and tasks."""
@@ -664,10 +726,24 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
     assert all(torch.equal(polisher.batch()[k], want[k]) for k in want)
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-seed 1 \\(this run: 2\\)"):
         T.main(common + flags + ["--polish-seed", "2"])
+    with pytest.raises(SystemExit, match="other recipe flags:.*--polish-share-loss 0.0 \\(this run: 1.0\\)"):
+        T.main(common + flags + ["--polish-share-loss", "1"])
+    # --polish-share-loss: a polish stage from the same main stage logs the image's share of attention
+    share_dir = tmp_path / "share"
+    share_dir.mkdir()
+    shutil.copy(main_dir / "ckpt.pt", share_dir / "ckpt.pt")
+    capsys.readouterr()
+    T.main(common + ["--run-dir", str(share_dir), "--out", str(share_dir / "model"), "--polish-steps", "2",
+                     "--polish-share-loss", "1", "--polish-share-target", "0.05"])
+    assert " image share 0." in capsys.readouterr().out
     for bad, flag in ((["--polish-steps", "5"], "--polish-steps"), (["--polish-lr", "0"], "--polish-lr"),
                       (["--polish-seed", str(S.HELDOUT_SEED)], "--polish-seed"),
                       (["--seed", str(S.HELDOUT_SEED - 1)], "--polish-seed 10000:"),
-                      (["--seed", str(S.HELDOUT_SEED)], "--seed 10000:")):
+                      (["--seed", str(S.HELDOUT_SEED)], "--seed 10000:"),
+                      (["--polish-share-loss", "-1"], "--polish-share-loss"),
+                      (["--polish-share-loss", "1"], "pass --polish-steps"),
+                      (["--polish-share-target", "1"], "--polish-share-target"),
+                      (["--polish-share-layers", "2"], "--polish-share-layers")):
         with pytest.raises(SystemExit, match=flag):
             T.main(common + ["--run-dir", str(tmp_path / "bad"), "--fresh"] + bad)
 

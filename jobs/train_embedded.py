@@ -626,8 +626,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "answer steps of the --polish-share-layers over --polish-share-target (image_share_loss): "
                          "real VLMs put most attention on sink and text positions and little on the image; with it "
                          "--ground-loss targets the cell's share of the image mass. 0 (default) is off")
-    ap.add_argument("--polish-share-target", type=float, default=0.1, metavar="T",
-                    help="the image share of attention --polish-share-loss allows without a penalty")
+    ap.add_argument("--polish-share-target", type=float, nargs="+", default=[0.1], metavar="T",
+                    help="the image share of attention --polish-share-loss allows without a penalty: one for every "
+                         "layer, or one per --polish-share-layers")
     ap.add_argument("--polish-share-layers", type=int, nargs="+", default=None, metavar="L",
                     help="the decoder layers --polish-share-loss applies to (default: all)")
     ap.add_argument("--ground-layer", type=int, default=-1,
@@ -718,20 +719,22 @@ def grounding_loss(attn, target, image=None):
     return -torch.log(mass + 1e-4).mean(), mass.detach().mean()
 
 
-def image_share_loss(attentions, rows, image, target: float):
-    """How far the image's share of attention exceeds ``target``: the mean over decoder layers, heads and answer
-    steps of relu(share - target), where share is the attention mass a step puts on visual tokens. ``attentions``
-    one (B, H, T, T) per layer, ``rows`` (B, T) bool the steps that predict an answer token, ``image`` (B, T) bool
-    the visual tokens. Returns (loss, the mean share)."""
+def image_share_loss(attentions, rows, image, target: float | list[float]):
+    """How far the image's share of attention exceeds ``target`` (one for every layer, or one per layer): the mean
+    over decoder layers, heads and answer steps of relu(share - target), where share is the attention mass a step
+    puts on visual tokens. ``attentions`` one (B, H, T, T) per layer, ``rows`` (B, T) bool the steps that predict an
+    answer token, ``image`` (B, T) bool the visual tokens. Returns (loss, the mean share)."""
     import torch
 
     shares = torch.stack([(a * image[:, None, None, :].to(a.dtype)).sum(-1).transpose(1, 2)[rows]
                           for a in attentions])  # (layers, rows, H)
-    return torch.relu(shares - target).mean(), shares.detach().mean()
+    limit = torch.as_tensor(target, dtype=shares.dtype).reshape(-1, 1, 1)  # (1 or layers, 1, 1)
+    return torch.relu(shares - limit).mean(), shares.detach().mean()
 
 
 def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.0, ground_layer: int = -1,
-                   share_weight: float = 0.0, share_target: float = 0.0, share_layers: list[int] | None = None):
+                   share_weight: float = 0.0, share_target: float | list[float] = 0.0,
+                   share_layers: list[int] | None = None):
     """One AdamW step on a training batch (its "labels" and "ground" popped): cross-entropy on the answer tokens,
     plus ``ground_weight`` times ``grounding_loss`` of decoder layer ``ground_layer`` where the batch has attention
     targets, plus ``share_weight`` times ``image_share_loss`` at ``share_target`` over the decoder layers
@@ -1163,8 +1166,9 @@ def build_run_model(args: argparse.Namespace, tok, device):
         raise SystemExit(f"--polish-share-loss {args.polish_share_loss}: give a weight >= 0")
     if args.polish_share_loss and not args.polish_steps:
         raise SystemExit(f"--polish-share-loss {args.polish_share_loss} acts in the polish stage: pass --polish-steps")
-    if not 0 <= args.polish_share_target < 1:
-        raise SystemExit(f"--polish-share-target {args.polish_share_target}: give a share in [0, 1)")
+    targets = args.polish_share_target if isinstance(args.polish_share_target, list) else [args.polish_share_target]
+    if not all(0 <= t < 1 for t in targets):
+        raise SystemExit(f"--polish-share-target {args.polish_share_target}: give shares in [0, 1)")
     if args.ground_loss and "detailcaps" in args.ground_tasks and not S.get_layout(args.layout).every_cell:
         raise SystemExit(f"--ground-loss needs a --layout whose descriptions walk every cell (v3 and later), "
                          f"not {args.layout}")
@@ -1175,7 +1179,17 @@ def build_run_model(args: argparse.Namespace, tok, device):
         if not all(0 <= i < n_layers for i in args.polish_share_layers):
             raise SystemExit(f"--polish-share-layers {args.polish_share_layers}: --size {args.size} has decoder "
                              f"layers 0 to {n_layers - 1}")
-        args.polish_share_layers = sorted(set(args.polish_share_layers))  # one spelling per set, for the recipe
+        if len(targets) not in (1, len(args.polish_share_layers)):
+            raise SystemExit(f"--polish-share-target {targets}: give one share, or one per --polish-share-layers "
+                             f"{args.polish_share_layers}")
+        order = sorted(set(args.polish_share_layers))  # one spelling per set, for the recipe
+        if len(targets) > 1:
+            per_layer = dict(zip(args.polish_share_layers, targets))
+            targets = [per_layer[i] for i in order]
+        args.polish_share_layers = order
+    elif len(targets) > 1:
+        raise SystemExit(f"--polish-share-target {targets}: one share per layer needs --polish-share-layers")
+    args.polish_share_target = targets[0] if len(targets) == 1 else targets  # one share: a number, as recorded before
     model = build_model(tok, args.size, seed=args.seed).to(device)
     if args.sink:
         plant_attention_sink(model, tok.convert_tokens_to_ids(SPECIAL_TOKENS["im_start"]))

@@ -617,6 +617,7 @@ def test_share_loss_moves_attention_off_the_image():
     loss, share = T.image_share_loss([attn, attn], rows, image, 0.2)
     assert share == pytest.approx(0.5) and loss == pytest.approx(0.3)
     assert T.image_share_loss([attn], rows, image, 0.6)[0] == 0  # under the target: no penalty
+    assert T.image_share_loss([attn, attn], rows, image, [0.6, 0.2])[0] == pytest.approx(0.15)  # one per layer
     target = torch.zeros(1, 2, 4, dtype=torch.bool)  # (B, T, T)
     target[0, 1, 1] = True  # the cell is column 1: 0.3 of the row's mass, 0.6 of its image mass
     assert T.grounding_loss(attn, target)[1] == pytest.approx(0.3)
@@ -724,6 +725,11 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
     polisher.step = 3
     want = T.make_batch(builder, 5, 17, 22, 0.25, "v5", ground=("detailcaps", "textcaps"))[1]
     assert all(torch.equal(polisher.batch()[k], want[k]) for k in want)
+    # per-layer image-share targets follow their layers into one spelling (sorted), as the recipe records them
+    args = T.parse_args(common + flags + ["--polish-share-loss", "1", "--polish-share-layers", "1", "0",
+                                          "--polish-share-target", "0.3", "0.1"])
+    T.build_run_model(args, tok, "cpu")
+    assert args.polish_share_layers == [0, 1] and args.polish_share_target == [0.1, 0.3]
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-seed 1 \\(this run: 2\\)"):
         T.main(common + flags + ["--polish-seed", "2"])
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-share-loss 0.0 \\(this run: 1.0\\)"):
@@ -743,7 +749,9 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
                       (["--polish-share-loss", "-1"], "--polish-share-loss"),
                       (["--polish-share-loss", "1"], "pass --polish-steps"),
                       (["--polish-share-target", "1"], "--polish-share-target"),
-                      (["--polish-share-layers", "2"], "--polish-share-layers")):
+                      (["--polish-share-layers", "2"], "--polish-share-layers"),
+                      (["--polish-share-target", "0.1", "0.2"], "needs --polish-share-layers"),
+                      (["--polish-share-layers", "1", "--polish-share-target", "0.1", "0.2"], "one per")):
         with pytest.raises(SystemExit, match=flag):
             T.main(common + ["--run-dir", str(tmp_path / "bad"), "--fresh"] + bad)
 

@@ -702,6 +702,11 @@ def freeze_tower(model, args: argparse.Namespace) -> None:
                 param.requires_grad_(False)
 
 
+def image_mass(attn, image):
+    """(B, H, T): the attention mass each row of ``attn`` (B, H, T, T) puts on the visual tokens ``image`` (B, T)."""
+    return (attn * image[:, None, None, :].to(attn.dtype)).sum(-1)
+
+
 def grounding_loss(attn, target, image=None):
     """Supervised attention: the mean over heads and target rows of -log(the attention mass on the row's
     targets). ``attn`` (B, H, T, T) one layer's weights, ``target`` (B, T, T) bool (``ground_targets``); with
@@ -714,7 +719,7 @@ def grounding_loss(attn, target, image=None):
         return None, None
     mass = (attn * target[:, None].to(attn.dtype)).sum(-1)  # (B, H, T)
     if image is not None:
-        mass = mass / (attn * image[:, None, None, :].to(attn.dtype)).sum(-1).clamp_min(1e-6)
+        mass = mass / image_mass(attn, image).clamp_min(1e-6)
     mass = mass.transpose(1, 2)[rows]  # (rows, H)
     return -torch.log(mass + 1e-4).mean(), mass.detach().mean()
 
@@ -726,8 +731,7 @@ def image_share_loss(attentions, rows, image, target: float | list[float]):
     answer token, ``image`` (B, T) bool the visual tokens. Returns (loss, the mean share)."""
     import torch
 
-    shares = torch.stack([(a * image[:, None, None, :].to(a.dtype)).sum(-1).transpose(1, 2)[rows]
-                          for a in attentions])  # (layers, rows, H)
+    shares = torch.stack([image_mass(a, image).transpose(1, 2)[rows] for a in attentions])  # (layers, rows, H)
     limit = torch.as_tensor(target, dtype=shares.dtype).reshape(-1, 1, 1)  # (1 or layers, 1, 1)
     return torch.relu(shares - limit).mean(), shares.detach().mean()
 

@@ -1126,11 +1126,12 @@ class VisionPretrainer(Trainer):
                            self.ckpt_path)
 
 
-def training_attention(model, args: argparse.Namespace) -> None:
-    """The attention implementations training runs with (the saved model goes back to SDPA): the vision tower's
-    attention over ~1,300 patches of 16-dim heads runs ~13% faster eager than SDPA on CPU, and --ground-loss and
-    --polish-share-loss read the decoder's attention weights, which only eager attention returns."""
-    reads = args.ground_loss or args.polish_share_loss
+def training_attention(model, args: argparse.Namespace, polish: bool = False) -> None:
+    """The attention implementations a training stage (the polish stage with ``polish``) runs with (the saved model
+    goes back to SDPA): the vision tower's attention over ~1,300 patches of 16-dim heads runs ~13% faster eager than
+    SDPA on CPU, and --ground-loss and, in the polish stage, --polish-share-loss read the decoder's attention
+    weights, which only eager attention returns."""
+    reads = args.ground_loss or polish and args.polish_share_loss
     model.set_attn_implementation({"vision_config": "eager", **({"text_config": "eager"} if reads else {})})
 
 
@@ -1257,6 +1258,7 @@ def main(argv=None):
     if args.polish_steps and trainer.step >= args.steps:  # not after a main stage cut short by --minutes
         if args.stop_after is not None:
             args.stop_after -= trainer.step - trainer.start_step
+        training_attention(model, args, polish=True)
         polish = Polisher(args, model, opt, trainer.builder, run_dir / "polish.pt", total, sink)
         if not polish.run():
             return

@@ -742,6 +742,12 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
     T.main(common + ["--run-dir", str(share_dir), "--out", str(share_dir / "model"), "--polish-steps", "2",
                      "--polish-share-loss", "1", "--polish-share-target", "0.05"])
     assert " image share 0." in capsys.readouterr().out
+    # without --ground-loss the main stage keeps SDPA and the polish stage alone switches to eager to read weights
+    plain_dir = tmp_path / "plain"
+    T.main(common[:-2] + ["--run-dir", str(plain_dir), "--out", str(plain_dir / "model"), "--polish-steps", "2",
+                          "--polish-share-loss", "1"])
+    out = capsys.readouterr().out
+    assert "after 10 steps + 2 polish steps" in out and " image share 0." in out and " cell " not in out
     for bad, flag in ((["--polish-steps", "5"], "--polish-steps"), (["--polish-lr", "0"], "--polish-lr"),
                       (["--polish-seed", str(S.HELDOUT_SEED)], "--polish-seed"),
                       (["--seed", str(S.HELDOUT_SEED - 1)], "--polish-seed 10000:"),

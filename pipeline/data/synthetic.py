@@ -461,7 +461,9 @@ def render(task: str, seed: int, index: int, n_objects: int | None = None,
     """Frames (uint8 HxWx3 arrays; one for images) and the ground-truth description.
 
     A pure function of its arguments: the same (task, seed, index, layout) always gives the same sample.
-    ``layout`` sets the scene grid of detailcaps and textcaps (video has its own). ``canvas_strength`` (0-1)
+    ``n_objects`` forces a detailcaps scene's object count (default: drawn from the layout's range); the other
+    tasks draw their own and refuse it. ``layout`` sets the scene grid of detailcaps and textcaps (video has its
+    own). ``canvas_strength`` (0-1)
     fades a textured layout's canvas toward flat grey (training's ramp; data and evaluation keep 1).
     """
     check_task(task)
@@ -472,6 +474,8 @@ def render(task: str, seed: int, index: int, n_objects: int | None = None,
         lay = replace(lay, canvas_strength=float(canvas_strength))
     if seed < 0 or index < 0:
         raise SyntheticError(f"seed and index must be >= 0, got seed={seed} index={index}")
+    if n_objects is not None and task != "detailcaps":
+        raise SyntheticError(f"n_objects sets a detailcaps scene's object count; {task} draws its own")
     rng = np.random.default_rng([int(seed), _TASK_CODE[task], int(index)])
     if task == "detailcaps":
         frames, text = _detailcaps(rng, n_objects, lay)
@@ -490,13 +494,15 @@ def encode_png(img: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def make_record(task: str, seed: int, index: int, layout: str = DEFAULT_LAYOUT) -> dict:
+def make_record(task: str, seed: int, index: int, layout: str = DEFAULT_LAYOUT, n_objects: int | None = None) -> dict:
     """One row of the input schema. Scenes of a layout other than v1 carry its name in their id, so two
-    layouts' samples never share a key in one output directory."""
-    frames, text = render(task, seed, index, layout=layout)
+    layouts' samples never share a key in one output directory; a detailcaps scene with a forced object count
+    (``n_objects``, see ``render``) carries the count, so it never shares one with the layout's own draw."""
+    frames, text = render(task, seed, index, n_objects=n_objects, layout=layout)
     tag = "" if layout == "v1" or task == "video" else f"{layout}-"
+    count = "" if n_objects is None else f"-n{n_objects}"
     return {
-        "sample_id": f"synthetic-{tag}{task}-s{seed}-{index:07d}",
+        "sample_id": f"synthetic-{tag}{task}{count}-s{seed}-{index:07d}",
         "task": task,
         "prompt": PROMPTS[task],
         "images": [encode_png(f) for f in frames],

@@ -201,6 +201,41 @@ def test_attention_profile_static_share_is_what_a_fixed_selection_keeps():
     assert got["top"] == pytest.approx(1.0) and got["static"] == pytest.approx(1.0)
 
 
+def test_drift_spread_tables_each_kind_and_layer():
+    """benchmarks/drift_spread.py: a kind's drift is the mean of its exact rows' sample drift, a layer's the mean
+    over samples of its own steps (samples differ in length; a sliding-window layer, all NaN, is left out), fixed's
+    columns come from the fixed rows, and rho follows the forced object count."""
+    import pandas as pd
+
+    from benchmarks.drift_spread import count_rho, kind_table, kinds
+
+    assert kinds([3, 18], ["textcaps"]) == [("detailcaps n=3", "detailcaps", 3), ("detailcaps n=18", "detailcaps", 18),
+                                            ("textcaps", "textcaps", None)]
+    assert kinds([], []) == [("detailcaps", "detailcaps", None)]
+    nan = float("nan")
+    rows = pd.DataFrame([  # layer 0 slides (never re-selected), layer 1 re-selects
+        dict(kind="detailcaps n=3", objects=3, method="exact", mean_drift_exact=0.1,
+             drift_exact=[[nan, nan], [0.0, 0.2]]),
+        dict(kind="detailcaps n=3", objects=3, method="exact", mean_drift_exact=0.3,
+             drift_exact=[[nan, nan, nan, nan], [0.3, 0.3, 0.3, 0.3]]),
+        dict(kind="detailcaps n=3", objects=3, method="fixed", mean_drift=0.5, refresh_fraction=0.25),
+        dict(kind="detailcaps n=3", objects=3, method="fixed", mean_drift=0.7, refresh_fraction=0.75),
+        dict(kind="detailcaps n=18", objects=18, method="exact", mean_drift_exact=0.6,
+             drift_exact=[[nan], [0.6]]),
+        dict(kind="textcaps", objects=None, method="exact", mean_drift_exact=0.0, drift_exact=[[nan], [0.0]]),
+    ])
+    t = kind_table(rows).set_index("kind")
+    assert list(t.index) == ["detailcaps n=3", "detailcaps n=18", "textcaps"]
+    assert t.loc["detailcaps n=3", "drift"] == pytest.approx(0.2)
+    assert t.loc["detailcaps n=3", "sd"] == pytest.approx(0.1)
+    assert t.loc["detailcaps n=3", "drift per layer"] == "1:0.200"  # (0.1 + 0.3) / 2, not the pooled 1.4 / 6
+    assert t.loc["detailcaps n=3", "fixed drift"] == pytest.approx(0.6)
+    assert t.loc["detailcaps n=3", "fixed refresh"] == pytest.approx(0.5)
+    rho, _, n = count_rho(rows)
+    assert n == 3 and rho > 0  # the textcaps row has no count
+    assert np.isnan(count_rho(rows[rows["kind"] != "detailcaps n=18"])[0])  # one count: no rank to correlate
+
+
 def test_position_probe_reads_cells_only_from_features_that_hold_them():
     """benchmarks/position_probe.py: v4's tokens map to their 4 x 4 cell blocks, and the linear probe names the
     cell of held-out tokens whose features encode it and not of tokens whose features are noise."""

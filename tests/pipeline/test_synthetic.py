@@ -206,6 +206,19 @@ def test_layouts_keep_video_and_tag_sample_ids():
         S.render("detailcaps", 0, 0, layout="v9")
 
 
+def test_forced_object_count_is_in_the_scene_and_the_id():
+    """benchmarks/drift_spread.py draws detailcaps scenes of a given size: the count reaches the description
+    (one clause per occupied cell) and the id, so scenes of two counts never share a key."""
+    rec = S.make_record("detailcaps", 0, 1, layout="v5", n_objects=3)
+    assert rec["sample_id"] == "synthetic-v5-detailcaps-n3-s0-0000001"
+    assert rec["sample_id"] != S.make_record("detailcaps", 0, 1, layout="v5", n_objects=4)["sample_id"]
+    for n in (1, 3, 20):
+        _, text = S.render("detailcaps", 0, 1, n_objects=n, layout="v5")
+        assert len(text.split(" . ")) - text.count("nothing") == n  # 20 clauses, n of them an object
+    with pytest.raises(S.SyntheticError, match="textcaps draws its own"):
+        S.make_record("textcaps", 0, 1, n_objects=3)
+
+
 def test_textcaps_short_and_video_frames():
     for i in range(30):
         _, text = S.render("textcaps", 0, i)

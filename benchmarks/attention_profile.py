@@ -6,6 +6,8 @@ averaged over answer steps and samples:
 
 * ``prefix``: the attention mass on the prompt (system text, image tokens, question), against the answer so far;
 * ``image``: the part of it on image/video tokens (real VLMs put most of the mass on a few sink and text positions);
+* ``on-img``: the image/video tokens' share of the step's whole attention (prefix, answer so far and all), the
+  figure ``jobs/eval_embedded.py`` reports for the issue's aim of a small image share;
 * ``flat``: the part of the image mass on visual tokens whose 28 x 28 pixels are one flat colour (the synthetic
   scenes' empty background; single-image tasks): such tokens all carry the same value, so a head can park its
   idle mass on them as on a sink spread over hundreds of entries, which no 32-entry selection holds;
@@ -67,6 +69,7 @@ def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: 
     return {
         "prefix": mass.mean().item(),
         "image": (pre[..., image].sum(-1) / mass.clamp_min(1e-12)).mean().item(),
+        "on_image": pre[..., image].sum(-1).mean().item(),  # a row of ``a`` sums to 1 over the whole sequence
         "flat": ((pre[..., flat].sum(-1) / pre[..., image].sum(-1).clamp_min(1e-12)).mean().item()
                  if flat is not None else float("nan")),
         "top": top.mean().item(),
@@ -191,13 +194,14 @@ def main(argv=None) -> None:
     lay = S.get_layout(args.layout)
     cells = args.task == "detailcaps" and lay.every_cell
     chance = f"cell (chance {1 / (lay.rows * lay.cols):.3f})" if cells else "cell"
-    print(f"{'layer':>5}  {'kind':<6} {'prefix':>7} {'image':>7} {'flat':>7} {top:>7} {'static':>7} {'entries':>8} "
-          f"{'dwell':>7}  {chance}")
+    print(f"{'layer':>5}  {'kind':<6} {'prefix':>7} {'image':>7} {'on-img':>7} {'flat':>7} {top:>7} {'static':>7} "
+          f"{'entries':>8} {'dwell':>7}  {chance}")
     for i, r in enumerate(layers):
         kind = "local" if geo.sliding_windows[i] is not None else "global"
         for name, k, row in [(f"{i}", kind, r)] + [(f"kv{h}", "", x) for h, x in enumerate(r.get("heads", []))]:
-            print(f"{name:>5}  {k:<6} {row['prefix']:7.3f} {row['image']:7.3f} {row['flat']:7.3f} {row['top']:7.3f} "
-                  f"{row['static']:7.3f} {row['entries']:8.1f} {row['dwell']:7.3f}  {row['cell']:7.3f}")
+            print(f"{name:>5}  {k:<6} {row['prefix']:7.3f} {row['image']:7.3f} {row['on_image']:7.3f} "
+                  f"{row['flat']:7.3f} {row['top']:7.3f} {row['static']:7.3f} {row['entries']:8.1f} "
+                  f"{row['dwell']:7.3f}  {row['cell']:7.3f}")
     treated = [r for i, r in enumerate(layers) if geo.sliding_windows[i] is None]
     print(f"re-selected layers: mean top-{args.selected} share {np.mean([r['top'] for r in treated]):.3f}, "
           f"dwell {np.mean([r['dwell'] for r in treated]):.3f}")

@@ -201,6 +201,27 @@ def test_attention_profile_static_share_is_what_a_fixed_selection_keeps():
     assert got["top"] == pytest.approx(1.0) and got["static"] == pytest.approx(1.0)
 
 
+def test_image_share_aim_is_the_image_part_of_each_step():
+    """`on_image` (attention_profile's `on-img`, eval_embedded's aim) is the image tokens' share of a step's whole
+    attention, not of its prefix part; the aim is met only if every re-selected layer gives the image < 0.5."""
+    from benchmarks.attention_profile import layer_profile
+    from jobs.eval_embedded import image_share_aim
+
+    steps, n_prompt = 3, 6
+    attn = torch.zeros(1, n_prompt + steps, n_prompt + steps, dtype=torch.float64)  # (H, T, T)
+    for k in range(steps):  # a quarter on an image entry; then half on the answer so far (none yet at step 0)
+        q = n_prompt - 1 + k
+        attn[0, q, 2], attn[0, q, 0], attn[0, q, q] = 0.25, 0.75 if k == 0 else 0.25, 0.0 if k == 0 else 0.5
+    image = torch.tensor([False] + [True] * 4 + [False])
+    got = layer_profile(attn, n_prompt, image, 1, selected=1)
+    assert got["on_image"] == pytest.approx(0.25)
+    assert got["image"] == pytest.approx((0.25 + 0.5 + 0.5) / 3)  # the prefix's share: 0.25 / 1, then 0.25 / 0.5
+    layers = [{"on_image": 0.9}, {"on_image": 0.2}, {"on_image": 0.45}]
+    assert image_share_aim(layers, [4, None, None]).passed  # layer 0 slides: never re-selected, not counted
+    bar = image_share_aim(layers, [None, None, None])
+    assert not bar.passed and bar.aim and bar.value.startswith("0:0.900 1:0.200 2:0.450")
+
+
 def test_drift_spread_tables_each_kind_and_layer():
     """benchmarks/drift_spread.py: a kind's drift is the mean of its exact rows' sample drift, a layer's the mean
     over samples of its own steps (samples differ in length; a sliding-window layer, all NaN, is left out), fixed's

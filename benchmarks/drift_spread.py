@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from jobs.eval_embedded import evaluate_task  # noqa: E402
 from pipeline.analysis.analyze import analyze  # noqa: E402
 from pipeline.data import synthetic as S  # noqa: E402
-from pipeline.run.actor import SampleEvaluator  # noqa: E402
 from pipeline.run.config import EMBEDDED, JobConfig  # noqa: E402
 
 METHODS = ["full", "exact", "fixed"]
@@ -86,20 +85,12 @@ def count_rho(rows: pd.DataFrame) -> tuple[float, float, int]:
     return float(r.statistic), float(r.pvalue), len(ex)
 
 
-def decode(model: str, kind: tuple[str, str, int | None], n: int, layout: str, threads: int, log=print):
+def decode(model: str, kind: tuple[str, str, int | None], n: int, layout: str, threads: int) -> pd.DataFrame:
+    """``n`` held-out samples of one kind, decoded by ``full``, ``exact`` and ``fixed``: the job's rows."""
     label, task, count = kind
     cfg = JobConfig.from_dict(dict(task=task, model=model, methods=METHODS, device="cpu", batch_size=8,
                                    torch_threads=threads, rcr={"record_attention": True, "exact_drift": True}))
-    ev, parts, t0 = SampleEvaluator(cfg.to_dict()), [], time.time()
-    for start in range(0, n, 8):
-        recs = [S.make_record(task, S.HELDOUT_SEED, i, layout=layout, n_objects=count)
-                for i in range(start, min(n, start + 8))]
-        parts.append(ev({k: [r[k] for r in recs] for k in recs[0]}).to_pandas())
-        log(f"  {label}: {min(n, start + 8)}/{n} samples, {time.time() - t0:.0f} s", flush=True)
-    rows = pd.concat(parts, ignore_index=True)
-    bad = rows[rows["error"].notna()]
-    if len(bad):
-        raise SystemExit(f"{len(bad)} error row(s), e.g. {bad.iloc[0]['sample_id']}: {bad.iloc[0]['error']}")
+    rows = evaluate_task(cfg, task, n, S.HELDOUT_SEED, layout, n_objects=count, label=label)
     return rows.assign(kind=label, objects=count)
 
 
@@ -117,6 +108,9 @@ def main(argv=None) -> int:
         objects = [int(x) for x in args.objects.split(",") if x]
     except ValueError:
         ap.error(f"--objects: comma-separated integers, got {args.objects!r}")
+    lay = S.get_layout(args.layout)
+    if any(not 1 <= n <= lay.rows * lay.cols for n in objects):
+        ap.error(f"--objects: counts in 1..{lay.rows * lay.cols} (the cells of layout {args.layout}), got {objects}")
     tasks = [t for t in args.tasks.split(",") if t]
     for t in tasks:
         if t not in S.TASKS or t == "detailcaps":

@@ -73,15 +73,18 @@ class Bar:
         return f"{self.name:<44} {self.value:<40} {self.bar:<18} {'(aim) ' if self.aim else ''}{verdict}"
 
 
-def evaluate_task(cfg: JobConfig, task: str, n: int, seed: int, layout: str, log=print) -> pd.DataFrame:
-    """Output rows (the job's Parquet schema, as a DataFrame) of ``n`` held-out samples of ``task``."""
+def evaluate_task(cfg: JobConfig, task: str, n: int, seed: int, layout: str, log=print,
+                  n_objects: int | None = None, label: str | None = None) -> pd.DataFrame:
+    """Output rows (the job's Parquet schema, as a DataFrame) of ``n`` held-out samples of ``task`` (detailcaps
+    scenes of ``n_objects`` objects if given; ``label`` names them in the progress lines)."""
     ev = SampleEvaluator(cfg.to_dict())
     parts, t0, step = [], time.time(), max(cfg.batch_size, 8)
     for start in range(0, n, step):
-        recs = [S.make_record(task, seed, i, layout=layout) for i in range(start, min(n, start + step))]
+        recs = [S.make_record(task, seed, i, layout=layout, n_objects=n_objects)
+                for i in range(start, min(n, start + step))]
         batch = {k: [r[k] for r in recs] for k in recs[0]}
         parts.append(ev(batch).to_pandas())
-        log(f"  {task}: {min(n, start + step)}/{n} samples, {time.time() - t0:.0f} s", flush=True)
+        log(f"  {label or task}: {min(n, start + step)}/{n} samples, {time.time() - t0:.0f} s", flush=True)
     rows = pd.concat(parts, ignore_index=True)
     errors = rows[rows["error"].notna()]
     if len(errors):
@@ -136,6 +139,8 @@ def image_share_aim(layers: list[dict], sliding: list) -> Bar:
     """The aim of a small image share, from ``attention_profile.profile``'s per-layer figures; a sliding-window
     layer (``sliding[i]`` not None) is never re-selected and left out."""
     shares = {i: r["on_image"] for i, r in enumerate(layers) if sliding[i] is None}
+    if not shares:
+        return Bar("image share of a step's attention", "no re-selected layer", "", None, aim=True)
     value = " ".join(f"{i}:{v:.3f}" for i, v in shares.items()) + " (per layer)"
     return Bar("image share of a step's attention", value, f"< {IMAGE_SHARE_AIM} each",
                bool(max(shares.values()) < IMAGE_SHARE_AIM), aim=True)

@@ -463,8 +463,8 @@ def render(task: str, seed: int, index: int, n_objects: int | None = None,
     A pure function of its arguments: the same (task, seed, index, layout) always gives the same sample.
     ``n_objects`` forces a detailcaps scene's object count (default: drawn from the layout's range); the other
     tasks draw their own and refuse it. ``layout`` sets the scene grid of detailcaps and textcaps (video has its
-    own). ``canvas_strength`` (0-1)
-    fades a textured layout's canvas toward flat grey (training's ramp; data and evaluation keep 1).
+    own). ``canvas_strength`` (0-1) fades a textured layout's canvas toward flat grey (training's ramp; data and
+    evaluation keep 1).
     """
     check_task(task)
     lay = get_layout(layout)

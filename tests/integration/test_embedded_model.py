@@ -222,13 +222,19 @@ def test_image_share_aim_is_the_image_part_of_each_step():
     assert not bar.passed and bar.aim and bar.value.startswith("0:0.900 1:0.200 2:0.450")
 
 
-def test_drift_spread_tables_each_kind_and_layer():
+def test_drift_spread_tables_each_kind_and_layer(capsys):
     """benchmarks/drift_spread.py: a kind's drift is the mean of its exact rows' sample drift, a layer's the mean
     over samples of its own steps (samples differ in length; a sliding-window layer, all NaN, is left out), fixed's
     columns come from the fixed rows, and rho follows the forced object count."""
     import pandas as pd
 
-    from benchmarks.drift_spread import count_rho, kind_table, kinds
+    from benchmarks.drift_spread import count_rho, kind_table, kinds, main
+
+    for argv, says in [(["--objects", "3,21"], "--objects: counts in 1..20"), (["--objects", "3;6"], "--objects"),
+                       (["--tasks", "detailcaps"], "--tasks"), (["--n", "2"], "--n")]:
+        with pytest.raises(SystemExit):
+            main(argv)  # refused before any model loads
+        assert says in capsys.readouterr().err
 
     assert kinds([3, 18], ["textcaps"]) == [("detailcaps n=3", "detailcaps", 3), ("detailcaps n=18", "detailcaps", 18),
                                             ("textcaps", "textcaps", None)]

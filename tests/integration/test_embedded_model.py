@@ -95,8 +95,9 @@ def test_training_batches_equal_processor_output(shipped, task):
 def test_greedy_quality_on_held_out_samples(shipped):
     """A few held-out samples per task; the full bars are printed by jobs/eval_embedded.py."""
     model, processor = shipped
-    # the shipped model (run V) scores 0.900 / 0.826 / 0.780 on these samples (0.894 / 0.852 / 0.833 on 100 per
-    # task, docs/embedded.md; `pytest -s -k quality` prints them); untrained weights score < 0.1
+    # the shipped model (run Y) scores 0.923 / 0.906 / 0.791 on these samples (0.920 / 0.912 / 0.819 on 100 per
+    # task, docs/embedded.md; `pytest -s -k quality` prints them; run V: 0.900 / 0.826 / 0.780); untrained
+    # weights score < 0.1
     floors = {"detailcaps": (4, 0.84), "textcaps": (4, 0.76), "video": (3, 0.70)}
     for task, (n, floor) in floors.items():
         samples = [S.render(task, S.HELDOUT_SEED, i) for i in range(n)]
@@ -116,10 +117,10 @@ def test_default_budget_is_in_the_papers_regime(shipped):
     keeps the full model's description better than a selection fixed after prefill (``bacon``); and, as in a
     real VLM, attention dwells: the most-attended prefix position is the same at adjacent steps in at least 41%
     of layer-steps. The full figures, on 100 samples with CIs, come from jobs/eval_embedded.py. On these three
-    samples the shipped model (run V) keeps 0.941 with exact and 0.631 with bacon, dwell 0.45; run U, the same
-    recipe without --ground-loss, has exact - bacon 0.09 (dwell 0.71), and the v1 model shipped before run I
-    fails the first two (its prefix is ~125 entries, and exact scored no better than bacon), run I the third
-    (4% of layer-steps)."""
+    samples the shipped model (run Y) keeps 0.949 with exact and 0.466 with bacon, dwell 0.47 (run V, shipped
+    before it: 0.941, 0.631, 0.45); run U, V's recipe without --ground-loss, has exact - bacon 0.09 (dwell
+    0.71), and the v1 model shipped before run I fails the first two (its prefix is ~125 entries, and exact
+    scored no better than bacon), run I the third (4% of layer-steps)."""
     model, processor = shipped
     samples = [S.render("detailcaps", S.HELDOUT_SEED, i) for i in range(3)]
     frames = [[Image.fromarray(f) for f in s[0]] for s in samples]

@@ -637,7 +637,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", default="auto",
                     help="torch CPU threads; 'auto' (CPU only) uses all cores while the machine is otherwise idle and "
-                         "1 thread while other processes load it (a 2-thread step waits on its slowest thread)")
+                         "1 thread while other processes load it (a 2-thread step waits on its slowest thread). The "
+                         "thread count changes the order of CPU sums, so only a fixed count makes the weights a "
+                         "function of the command (a rerun at the same count matches bit for bit); under 'auto' "
+                         "they also depend on the machine's load (each log line's 'thr')")
     ap.add_argument("--init-from", default=None,
                     help="start from the weights of a saved model dir (same tokenizer), e.g. a previous phase")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint in --run-dir")
@@ -1270,6 +1273,9 @@ def main(argv=None):
         {"steps": trainer.step, "polish_steps": args.polish_steps, "train_minutes": total / 60, "params": n_params,
          "out": str(args.out), "args": vars(args)}, indent=2))
     print(f"saved {args.out} after {steps}, {total / 60:.1f} min of training", flush=True)
+    if args.threads == "auto" and args.device == "cpu":
+        print("(--threads auto: the thread count followed the machine's load, so a rerun matches these weights only "
+              "in distribution; pass --threads N for weights a rerun at N threads reproduces bit for bit)", flush=True)
 
 
 if __name__ == "__main__":

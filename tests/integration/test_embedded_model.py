@@ -202,11 +202,15 @@ def test_attention_profile_static_share_is_what_a_fixed_selection_keeps():
     assert got["top"] == pytest.approx(1.0) and got["static"] == pytest.approx(1.0)
 
 
-def test_image_share_aim_is_the_image_part_of_each_step():
+def test_image_share_aim_is_the_image_part_of_each_step(capsys):
     """`on_image` (attention_profile's `on-img`, eval_embedded's aim) is the image tokens' share of a step's whole
     attention, not of its prefix part; the aim is met only if every re-selected layer gives the image < 0.5."""
     from benchmarks.attention_profile import layer_profile
-    from jobs.eval_embedded import image_share_aim
+    from jobs.eval_embedded import image_share_aim, main
+
+    with pytest.raises(SystemExit):
+        main(["--attention-samples", "-1"])  # refused before any model loads
+    assert "--attention-samples must be >= 0" in capsys.readouterr().err
 
     steps, n_prompt = 3, 6
     attn = torch.zeros(1, n_prompt + steps, n_prompt + steps, dtype=torch.float64)  # (H, T, T)

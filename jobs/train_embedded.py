@@ -1273,7 +1273,7 @@ def main(argv=None):
         {"steps": trainer.step, "polish_steps": args.polish_steps, "train_minutes": total / 60, "params": n_params,
          "out": str(args.out), "args": vars(args)}, indent=2))
     print(f"saved {args.out} after {steps}, {total / 60:.1f} min of training", flush=True)
-    if args.threads == "auto" and args.device == "cpu":
+    if trainer.auto_threads:
         print("(--threads auto: the thread count followed the machine's load, so a rerun matches these weights only "
               "in distribution; pass --threads N for weights a rerun at N threads reproduces bit for bit)", flush=True)
 

@@ -556,6 +556,34 @@ def save_assets(model, processor, out: Path):
     os.replace(tmp, out)
 
 
+def reference_weights(args: argparse.Namespace):
+    """--same-as's tensors by name, read at the start (the default --out is the shipped model's own directory)."""
+    if args.same_as is None:
+        return None
+    path = Path(args.same_as) / "model.safetensors"
+    if not path.is_file():
+        raise SystemExit(f"--same-as {args.same_as}: no model.safetensors there (give a model directory)")
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def weights_verdict(saved: Path, reference: dict, name: str) -> str:
+    """One line on how the weights saved in the model dir ``saved`` compare with ``reference`` (--same-as)."""
+    import torch
+    from safetensors.torch import load_file
+
+    got = load_file(Path(saved) / "model.safetensors")
+    if got.keys() != reference.keys():
+        return f"weights differ from {name}'s: other tensors ({len(got.keys() ^ reference.keys())} names differ)"
+    differ = [k for k in got if got[k].shape != reference[k].shape or not torch.equal(got[k], reference[k])]
+    if not differ:
+        return f"weights equal {name}'s bit for bit ({len(got)} tensors)"
+    same_shape = [k for k in differ if got[k].shape == reference[k].shape]
+    gap = max((float((got[k] - reference[k]).abs().max()) for k in same_shape), default=float("nan"))
+    return f"weights differ from {name}'s: {len(differ)} of {len(got)} tensors differ; max abs diff {gap:.2g}"
+
+
 def _atomic_torch_save(obj, path: Path):
     import torch
 
@@ -644,6 +672,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--init-from", default=None,
                     help="start from the weights of a saved model dir (same tokenizer), e.g. a previous phase")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint in --run-dir")
+    ap.add_argument("--same-as", default=None, metavar="DIR",
+                    help="a model directory (e.g. rcr/embedded_model, read before --out is written) whose weights this "
+                         "run should reproduce: the last line says whether it did bit for bit, or how many tensors "
+                         "differ and by how much")
     ap.add_argument("--export", default=None, metavar="DIR",
                     help="save the checkpoint in --run-dir as a model directory at DIR and exit (no training): "
                          "look at a run while it trains, e.g. with jobs/eval_embedded.py --model DIR")
@@ -1220,6 +1252,7 @@ def main(argv=None):
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = run_dir / "ckpt.pt"
+    reference = reference_weights(args)
 
     tok = build_tokenizer()
     processor = build_processor(tok)
@@ -1273,6 +1306,8 @@ def main(argv=None):
         {"steps": trainer.step, "polish_steps": args.polish_steps, "train_minutes": total / 60, "params": n_params,
          "out": str(args.out), "args": vars(args)}, indent=2))
     print(f"saved {args.out} after {steps}, {total / 60:.1f} min of training", flush=True)
+    if reference is not None:
+        print(weights_verdict(Path(args.out), reference, args.same_as), flush=True)
     if trainer.auto_threads:
         print("(--threads auto: the thread count followed the machine's load, so a rerun matches these weights only "
               "in distribution; pass --threads N for weights a rerun at N threads reproduces bit for bit)", flush=True)

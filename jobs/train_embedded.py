@@ -847,6 +847,16 @@ def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str
                          "flags, or --fresh")
 
 
+def note_threads(ck: dict, args: argparse.Namespace, path: Path) -> None:
+    """Say so when a run resumes at another --threads than its checkpoint was written at: the thread count is part
+    of the arithmetic (the order of CPU sums), so the weights will be those of neither count's straight run."""
+    before = ck.get("args", {}).get("threads")
+    if before is not None and str(before) != str(args.threads):
+        print(f"note: {path} was written at --threads {before} and this process runs at --threads {args.threads}: "
+              "the weights will match a run that changes its thread count at this step, not a straight run at "
+              "either count", flush=True)
+
+
 def load_checkpoint(path: Path, model, opt, args: argparse.Namespace, device, resume: bool = True,
                     keys: tuple[str, ...] = MAIN_RECIPE) -> tuple[int, float]:
     """Restore model and optimizer from ``path``; (step, seconds trained). The run must be the same recipe (its
@@ -856,6 +866,8 @@ def load_checkpoint(path: Path, model, opt, args: argparse.Namespace, device, re
 
     ck = torch.load(path, map_location=device, weights_only=False)  # our own checkpoint, not dataset content
     check_recipe(ck, args, path, keys)
+    if resume:
+        note_threads(ck, args, path)
     if resume and ck.get("curriculum") != CURRICULUM_ID:
         raise SystemExit(f"checkpoint {path} was made under another curriculum ({ck.get('curriculum')}, this script "
                          f"has {CURRICULUM_ID}): its remaining batches would differ; start it with --fresh")
@@ -1100,6 +1112,7 @@ class VisionPretrainer(Trainer):
         if ckpt_path.exists() and not args.fresh:
             ck = torch.load(ckpt_path, map_location=device, weights_only=False)  # our own checkpoint
             check_recipe(ck, args, ckpt_path, VISION_RECIPE)  # one vision stage may start several main stages
+            note_threads(ck, args, ckpt_path)
             self.stage.load_state_dict(ck["stage"])
             opt.load_state_dict(ck["opt"])
             step, elapsed = ck["step"], ck["elapsed"]

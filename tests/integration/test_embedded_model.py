@@ -391,7 +391,8 @@ def test_training_resumes_exactly(tmp_path):
 def test_a_fixed_thread_count_reproduces_the_weights_through_every_stage_and_resume(tmp_path, capsys):
     """The shipped command's reproduction claim: at a fixed --threads, a run of all three stages (vision, main,
     polish) that is interrupted and resumed saves the weights of one run straight through, and --same-as says so;
-    under another thread count --same-as counts the tensors that differ. A --same-as without weights is refused."""
+    when part of a run ran at another thread count, the resume says so and --same-as counts the tensors that differ.
+    A --same-as without weights is refused."""
     from safetensors.torch import load_file
 
     common = ["--size", "tiny", "--layout", "v5", "--vision-steps", "2", "--steps", "10", "--polish-steps", "2",
@@ -406,12 +407,17 @@ def test_a_fixed_thread_count_reproduces_the_weights_through_every_stage_and_res
     capsys.readouterr()
     T.main(common + ["--threads", "2", "--run-dir", str(b), "--out", str(b / "model")] + same)
     wa = load_file(a / "model" / "model.safetensors")
-    assert f"weights equal {a / 'model'}'s bit for bit ({len(wa)} tensors)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"weights equal {a / 'model'}'s bit for bit ({len(wa)} tensors)" in out and "note:" not in out
     wb = load_file(b / "model" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
-    T.main(common + ["--threads", "1", "--run-dir", str(c), "--out", str(c / "model"), "--fresh"] + same)
+    # another count for part of the run: the resume says so, and --same-as counts what differs
+    T.main(common + ["--threads", "1", "--run-dir", str(c), "--out", str(c / "model"), "--fresh", "--stop-after", "5"])
+    capsys.readouterr()
+    T.main(common + ["--threads", "2", "--run-dir", str(c), "--out", str(c / "model")] + same)
     out = capsys.readouterr().out
+    assert f"note: {c / 'ckpt.pt'} was written at --threads 1 and this process runs at --threads 2" in out
     wc = load_file(c / "model" / "model.safetensors")
     differ = [k for k in wa if not torch.equal(wa[k], wc[k])]
     if differ:  # the sums' order follows the thread count (measured: most tensors move by ~1e-7)

@@ -506,16 +506,18 @@ CURRICULUM_ID = hashlib.sha256(repr((BOOTSTRAP_LAYOUT, CURRICULUM, BATCH_SIZES))
 EVAL_SEED = S.HELDOUT_SEED  # held-out samples; training uses --seed (default S.TRAIN_SEED = 0)
 
 
-def batch_plan(seed: int, step: int, total_steps: int, batch_scale: float = 1.0, layout: str = S.DEFAULT_LAYOUT):
+def batch_plan(seed: int, step: int, total_steps: int, batch_scale: float = 1.0, layout: str = S.DEFAULT_LAYOUT,
+               mix: dict[str, float] | None = None):
     """(task, scene layout, [(seed, index, n_objects)], canvas strength) for one step; a pure function of its
-    arguments."""
+    arguments. ``mix`` ({task: weight}) replaces the phase's task mix (--polish-mix); the rest of the plan, and
+    the random numbers it is drawn with, stay the phase's."""
     rng = np.random.default_rng([seed, 7, step])
     frac = step / max(1, total_steps)
     phase = next(i for i, c in enumerate(CURRICULUM) if frac < c[0])
     until, weights, n_range, share, canvas = CURRICULUM[phase]
     start = CURRICULUM[phase - 1][0] if phase else 0.0
     strength = 1.0 if canvas is None else canvas[0] + (canvas[1] - canvas[0]) * (frac - start) / (until - start)
-    p = np.array([weights[t] for t in S.TASKS])
+    p = np.array([(weights if mix is None else mix).get(t, 0.0) for t in S.TASKS])
     task = S.TASKS[int(rng.choice(3, p=p / p.sum()))]
     bs = max(1, int(round(BATCH_SIZES[task] * batch_scale)))
     lay = layout if rng.random() < share else BOOTSTRAP_LAYOUT
@@ -530,10 +532,10 @@ def batch_plan(seed: int, step: int, total_steps: int, batch_scale: float = 1.0,
 
 
 def make_batch(builder: BatchBuilder, seed: int, step: int, total_steps: int, batch_scale: float = 1.0,
-               layout: str = S.DEFAULT_LAYOUT, ground: tuple[str, ...] = ()):
+               layout: str = S.DEFAULT_LAYOUT, ground: tuple[str, ...] = (), mix: dict[str, float] | None = None):
     """(task, batch) of one step; ``ground`` (tasks) adds the attention targets of --ground-loss to those tasks'
-    batches on ``layout``'s scenes."""
-    task, lay, items, strength = batch_plan(seed, step, total_steps, batch_scale, layout)
+    batches on ``layout``'s scenes; ``mix`` as in ``batch_plan``."""
+    task, lay, items, strength = batch_plan(seed, step, total_steps, batch_scale, layout, mix)
     samples = [S.render(task, s, idx, n_objects=n, layout=lay, canvas_strength=strength) for s, idx, n in items]
     if task not in ground or lay != layout:
         return task, builder.build(task, samples)
@@ -649,6 +651,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "stage never saw); other seeds measure how much a polish stage depends on its scenes")
     ap.add_argument("--polish-ground-tasks", nargs="+", default=None, choices=["detailcaps", "textcaps"],
                     help="the tasks --ground-loss supervises in the polish stage (default: --ground-tasks)")
+    ap.add_argument("--polish-mix", nargs="+", default=None, metavar="TASK=W",
+                    help="the polish stage's task mix, e.g. detailcaps=0.45 textcaps=0.3 video=0.25 (weights, "
+                         "normalised; a task left out is not drawn); default: the curriculum's last phase's")
     ap.add_argument("--polish-share-loss", type=float, default=0.0, metavar="W",
                     help="in the polish stage, add W times the mean excess of the image's share of attention at the "
                          "answer steps of the --polish-share-layers over --polish-share-target (image_share_loss): "
@@ -825,7 +830,8 @@ def init_weights_from(model, path: str) -> None:
 MAIN_RECIPE = ("size", "seed", "layout", "steps", "lr", "warmup", "weight_decay", "batch_scale", "sink", "hold_sink",
                "sink_logit", "sink_ramp", "vision_steps", "freeze_vision", "vision_lr_scale", "ground_loss",
                "ground_layer", "ground_tasks")
-RECIPE = MAIN_RECIPE + ("polish_steps", "polish_lr", "polish_ground_tasks", "polish_seed", "polish_share_loss",
+RECIPE = MAIN_RECIPE + ("polish_steps", "polish_lr", "polish_ground_tasks", "polish_seed", "polish_mix",
+                        "polish_share_loss",
                         "polish_share_target", "polish_share_layers")  # the polish stage's
 # what the vision stage depends on
 VISION_RECIPE = ("size", "seed", "layout", "lr", "warmup", "weight_decay", "vision_steps")
@@ -837,7 +843,8 @@ def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str
     older = {"layout": "v1", "weight_decay": 0.01, "sink": False, "hold_sink": False, "sink_logit": HELD_SINK_LOGIT,
              "sink_ramp": None, "vision_steps": 0, "freeze_vision": False, "vision_lr_scale": 1.0,
              "ground_loss": 0.0, "ground_layer": -1, "ground_tasks": ["detailcaps"],
-             "polish_seed": ck["args"].get("seed", 0) + 1, "polish_share_loss": 0.0, "polish_share_target": 0.1,
+             "polish_seed": ck["args"].get("seed", 0) + 1, "polish_mix": None, "polish_share_loss": 0.0,
+             "polish_share_target": 0.1,
              "polish_share_layers": None}
     made = {k: ck["args"].get(k, older.get(k)) for k in keys}
     differ = [f"--{k.replace('_', '-')} {made[k]} (this run: {getattr(args, k)})" for k in keys
@@ -1021,9 +1028,9 @@ class Trainer:
 class Polisher(Trainer):
     """--polish-steps: after the main stage, more steps of the curriculum's last phase, at the constant --polish-lr
     and with --ground-loss on the --polish-ground-tasks. Its batches are those of the main stage's last
-    --polish-steps plan steps drawn with --polish-seed (default --seed + 1: the same task mix, fresh scenes). It
-    starts from the finished main stage (model and optimizer) and checkpoints to ``ckpt_path`` (polish.pt), from
-    which it resumes."""
+    --polish-steps plan steps drawn with --polish-seed (default --seed + 1: fresh scenes), with the last phase's
+    task mix or --polish-mix's. It starts from the finished main stage (model and optimizer) and checkpoints to
+    ``ckpt_path`` (polish.pt), from which it resumes."""
 
     def __init__(self, args, model, opt, builder, ckpt_path: Path, elapsed_before: float,
                  sink: HeldSink | None = None):
@@ -1048,7 +1055,8 @@ class Polisher(Trainer):
         args = self.args
         return make_batch(self.builder, args.polish_seed, args.steps - args.polish_steps + self.step, args.steps,
                           args.batch_scale, args.layout,
-                          ground=tuple(args.polish_ground_tasks) if args.ground_loss else ())[1]
+                          ground=tuple(args.polish_ground_tasks) if args.ground_loss else (),
+                          mix=args.polish_mix)[1]
 
     def log(self, meter: Meter) -> None:
         print("polish ", end="")
@@ -1183,6 +1191,28 @@ def training_attention(model, args: argparse.Namespace, polish: bool = False) ->
     model.set_attn_implementation({"vision_config": "eager", **({"text_config": "eager"} if reads else {})})
 
 
+def polish_mix(spec: list[str] | dict | None, polish_steps: int) -> dict[str, float] | None:
+    """--polish-mix's TASK=W words as {task: weight} in S.TASKS order (None: the last phase's mix)."""
+    if spec is None or isinstance(spec, dict):  # already parsed (a resumed run's args)
+        return spec
+    if not polish_steps:
+        raise SystemExit(f"--polish-mix {' '.join(spec)} sets the polish stage's tasks: pass --polish-steps")
+    mix = {}
+    for word in spec:
+        task, _, w = word.partition("=")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = -1.0
+        if task not in S.TASKS or task in mix or not weight >= 0:
+            raise SystemExit(f"--polish-mix {word!r}: give each of {', '.join(S.TASKS)} at most once, as TASK=W "
+                             "with a weight W >= 0")
+        mix[task] = weight
+    if not sum(mix.values()) > 0:
+        raise SystemExit(f"--polish-mix {' '.join(spec)}: give some task a weight > 0")
+    return {t: mix[t] for t in S.TASKS if t in mix}
+
+
 def build_run_model(args: argparse.Namespace, tok, device):
     """The model a run of ``args`` starts from before any checkpoint (--size, --seed, --sink, --hold-sink,
     --init-from), and its ``HeldSink`` (None without --hold-sink)."""
@@ -1209,6 +1239,7 @@ def build_run_model(args: argparse.Namespace, tok, device):
         raise SystemExit(f"--polish-lr {args.polish_lr}: give a learning rate > 0")
     if args.polish_seed is None:
         args.polish_seed = args.seed + 1
+    args.polish_mix = polish_mix(args.polish_mix, args.polish_steps)
     for flag, seed in (("--seed", args.seed), ("--polish-seed", args.polish_seed)):
         if seed == S.HELDOUT_SEED:  # scene (seed, i) is the same scene in training and in evaluation
             raise SystemExit(f"{flag} {seed}: that is the seed held-out evaluation draws its scenes with "

@@ -831,6 +831,23 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
     polisher.step = 3
     want = T.make_batch(builder, 5, 17, 22, 0.25, "v5", ground=("detailcaps", "textcaps"))[1]
     assert all(torch.equal(polisher.batch()[k], want[k]) for k in want)
+    # --polish-mix replaces the phase's task mix and nothing else: with textcaps alone every polish step is a
+    # textcaps batch of that plan step's scenes, where the last phase's own mix draws other tasks at these steps
+    assert {T.batch_plan(1, 14 + step, 22, 0.25, "v5")[0] for step in range(8)} != {"textcaps"}
+    args = T.parse_args(common + flags + ["--steps", "22", "--polish-steps", "8", "--polish-mix", "textcaps=2",
+                                          "--fresh"])
+    T.build_run_model(args, tok, "cpu")
+    assert args.polish_mix == {"textcaps": 2.0}
+    polisher = T.Polisher(args, model, T.main_optimizer(model, args), builder, tmp_path / "unused.pt", 0.0, sink)
+    for step in range(8):
+        polisher.step = step
+        task, want = T.make_batch(builder, 1, 14 + step, 22, 0.25, "v5", ground=("detailcaps", "textcaps"),
+                                  mix={"textcaps": 1.0})
+        got = polisher.batch()
+        assert task == "textcaps" and all(torch.equal(got[k], want[k]) for k in want)
+        mixed, own = T.batch_plan(1, 14 + step, 22, 0.25, "v5", {"textcaps": 1.0}), T.batch_plan(1, 14 + step, 22,
+                                                                                                 0.25, "v5")
+        assert (mixed[1], mixed[3]) == (own[1], own[3])  # the step's scene layout and canvas are the phase's
     # per-layer image-share targets follow their layers into one spelling (sorted), as the recipe records them
     args = T.parse_args(common + flags + ["--polish-share-loss", "1", "--polish-share-layers", "1", "0",
                                           "--polish-share-target", "0.3", "0.1"])
@@ -840,6 +857,8 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
         T.main(common + flags + ["--polish-seed", "2"])
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-share-loss 0.0 \\(this run: 1.0\\)"):
         T.main(common + flags + ["--polish-share-loss", "1"])
+    with pytest.raises(SystemExit, match="other recipe flags:.*--polish-mix None \\(this run: \\{'textcaps': 1.0"):
+        T.main(common + flags + ["--polish-mix", "textcaps=1", "video=1"])
     # --polish-share-loss: a polish stage from the same main stage logs the image's share of attention
     share_dir = tmp_path / "share"
     share_dir.mkdir()
@@ -863,7 +882,12 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
                       (["--polish-share-target", "1"], "--polish-share-target"),
                       (["--polish-share-layers", "2"], "--polish-share-layers"),
                       (["--polish-share-target", "0.1", "0.2"], "needs --polish-share-layers"),
-                      (["--polish-share-layers", "1", "--polish-share-target", "0.1", "0.2"], "one per")):
+                      (["--polish-share-layers", "1", "--polish-share-target", "0.1", "0.2"], "one per"),
+                      (["--polish-mix", "textcaps=1"], "--polish-mix textcaps=1 sets the polish stage's tasks"),
+                      (["--polish-steps", "2", "--polish-mix", "images=1"], "--polish-mix 'images=1'"),
+                      (["--polish-steps", "2", "--polish-mix", "video=x"], "--polish-mix 'video=x'"),
+                      (["--polish-steps", "2", "--polish-mix", "video=1", "video=2"], "--polish-mix 'video=2'"),
+                      (["--polish-steps", "2", "--polish-mix", "video=0"], "some task a weight > 0")):
         with pytest.raises(SystemExit, match=flag):
             T.main(common + ["--run-dir", str(tmp_path / "bad"), "--fresh"] + bad)
 

@@ -831,8 +831,7 @@ MAIN_RECIPE = ("size", "seed", "layout", "steps", "lr", "warmup", "weight_decay"
                "sink_logit", "sink_ramp", "vision_steps", "freeze_vision", "vision_lr_scale", "ground_loss",
                "ground_layer", "ground_tasks")
 RECIPE = MAIN_RECIPE + ("polish_steps", "polish_lr", "polish_ground_tasks", "polish_seed", "polish_mix",
-                        "polish_share_loss",
-                        "polish_share_target", "polish_share_layers")  # the polish stage's
+                        "polish_share_loss", "polish_share_target", "polish_share_layers")  # the polish stage's
 # what the vision stage depends on
 VISION_RECIPE = ("size", "seed", "layout", "lr", "warmup", "weight_decay", "vision_steps")
 
@@ -1204,7 +1203,7 @@ def polish_mix(spec: list[str] | dict | None, polish_steps: int) -> dict[str, fl
             weight = float(w)
         except ValueError:
             weight = -1.0
-        if task not in S.TASKS or task in mix or not weight >= 0:
+        if task not in S.TASKS or task in mix or not 0 <= weight < float("inf"):
             raise SystemExit(f"--polish-mix {word!r}: give each of {', '.join(S.TASKS)} at most once, as TASK=W "
                              "with a weight W >= 0")
         mix[task] = weight

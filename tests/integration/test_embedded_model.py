@@ -886,6 +886,7 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
                       (["--polish-mix", "textcaps=1"], "--polish-mix textcaps=1 sets the polish stage's tasks"),
                       (["--polish-steps", "2", "--polish-mix", "images=1"], "--polish-mix 'images=1'"),
                       (["--polish-steps", "2", "--polish-mix", "video=x"], "--polish-mix 'video=x'"),
+                      (["--polish-steps", "2", "--polish-mix", "video=inf"], "--polish-mix 'video=inf'"),
                       (["--polish-steps", "2", "--polish-mix", "video=1", "video=2"], "--polish-mix 'video=2'"),
                       (["--polish-steps", "2", "--polish-mix", "video=0"], "some task a weight > 0")):
         with pytest.raises(SystemExit, match=flag):

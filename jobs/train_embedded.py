@@ -1190,10 +1190,10 @@ def training_attention(model, args: argparse.Namespace, polish: bool = False) ->
     model.set_attn_implementation({"vision_config": "eager", **({"text_config": "eager"} if reads else {})})
 
 
-def polish_mix(spec: list[str] | dict | None, polish_steps: int) -> dict[str, float] | None:
+def polish_mix(spec: list[str] | None, polish_steps: int) -> dict[str, float] | None:
     """--polish-mix's TASK=W words as {task: weight} in S.TASKS order (None: the last phase's mix)."""
-    if spec is None or isinstance(spec, dict):  # already parsed (a resumed run's args)
-        return spec
+    if spec is None:
+        return None
     if not polish_steps:
         raise SystemExit(f"--polish-mix {' '.join(spec)} sets the polish stage's tasks: pass --polish-steps")
     mix = {}

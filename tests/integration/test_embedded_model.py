@@ -855,6 +855,8 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
     assert args.polish_share_layers == [0, 1] and args.polish_share_target == [0.1, 0.3]
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-seed 1 \\(this run: 2\\)"):
         T.main(common + flags + ["--polish-seed", "2"])
+    with pytest.raises(SystemExit, match="other recipe flags:.*--polish-cooldown 0.0 \\(this run: 0.5\\)"):
+        T.main(common + flags + ["--polish-cooldown", "0.5"])
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-share-loss 0.0 \\(this run: 1.0\\)"):
         T.main(common + flags + ["--polish-share-loss", "1"])
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-mix None \\(this run: \\{'textcaps': 1.0"):
@@ -947,6 +949,27 @@ def test_sink_logit_sets_the_held_sinks_pull():
     assert share[2.0] < share[6.0] < share[10.0] and share[10.0] > 0.9, share
     with pytest.raises(SystemExit, match="--sink-logit"):
         T.build_run_model(T.parse_args(["--size", "tiny", "--sink-logit", "10"]), tok, "cpu")
+
+
+def test_polish_cooldown_lowers_the_rate_linearly_over_the_last_steps():
+    """--polish-cooldown FRAC: --polish-lr until the last FRAC of --polish-steps, then a linear fall that would reach
+    0 one step after the last; 0 keeps the rate constant; the Polisher trains at it; bad values name the flag."""
+    base = ["--size", "tiny", "--steps", "100", "--polish-steps", "8", "--polish-lr", "1e-3"]
+    const = T.parse_args(base)
+    assert [T.polish_lr_at(const, s) for s in range(8)] == [1e-3] * 8
+    cool = T.parse_args(base + ["--polish-cooldown", "0.5"])
+    assert [T.polish_lr_at(cool, s) for s in range(8)] == pytest.approx([1e-3] * 4 + [1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    tok = T.build_tokenizer()
+    model, sink = T.build_run_model(cool, tok, "cpu")
+    polisher = T.Polisher(cool, model, T.main_optimizer(model, cool), T.BatchBuilder(T.build_processor(tok)),
+                          Path("unused.pt"), 0.0, sink)
+    polisher.step = 6
+    assert polisher.lr() == pytest.approx(5e-4)
+    for bad in (["--polish-cooldown", "1.5"], ["--polish-cooldown", "-0.1"]):
+        with pytest.raises(SystemExit, match="--polish-cooldown"):
+            T.build_run_model(T.parse_args(base + bad), tok, "cpu")
+    with pytest.raises(SystemExit, match="--polish-cooldown 0.5 acts in the polish stage"):
+        T.build_run_model(T.parse_args(["--size", "tiny", "--polish-cooldown", "0.5"]), tok, "cpu")
 
 
 def test_sink_ramp_raises_the_held_logit_in_place():

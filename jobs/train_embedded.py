@@ -941,6 +941,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.auto_threads = args.threads == "auto" and args.device == "cpu"
         self.stop_signal = None
+        self.last_lr = float("nan")  # the rate of the last step taken (train_step), for log()
 
     def lr(self) -> float:
         return lr_at(self.args, self.step)
@@ -978,7 +979,8 @@ class Trainer:
         n = batch["input_ids"].shape[0]
         if self.sink is not None:
             self.sink.set_logit(self.sink_logit())
-        loss, logits, tgt, mass, share = optimizer_step(self.model, self.opt, batch, self.lr(), args.ground_loss,
+        self.last_lr = self.lr()  # the rate this step trains at, which log() reports
+        loss, logits, tgt, mass, share = optimizer_step(self.model, self.opt, batch, self.last_lr, args.ground_loss,
                                                         args.ground_layer, *self.share_loss())
         if self.sink is not None:
             self.sink.restore()  # undo weight decay on the held entries (their gradients are already zero)
@@ -991,7 +993,7 @@ class Trainer:
 
         done = time.time() - self.t_start
         per_step = done / max(1, self.step - self.start_step)
-        print(f"step {self.step}/{self.total} {meter.line()} lr {self.lr():.2e} "
+        print(f"step {self.step}/{self.total} {meter.line()} lr {self.last_lr:.2e} "
               f"thr {torch.get_num_threads()} elapsed {(self.elapsed_before + done) / 60:.1f} min "
               f"ETA {per_step * (self.total - self.step) / 60:.1f} min", flush=True)
 
@@ -1162,8 +1164,9 @@ class VisionPretrainer(Trainer):
 
         batch = vision_batch(self.args.seed, self.step, self.args.layout)
         pixel_values, grid_thw, labels = (t.to(self.device) for t in batch)
+        self.last_lr = self.lr()
         for g in self.opt.param_groups:
-            g["lr"] = self.lr()
+            g["lr"] = self.last_lr
         logits = self.logits(pixel_values, grid_thw)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
         self.opt.zero_grad(set_to_none=True)

@@ -869,6 +869,14 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
     T.main(common + ["--run-dir", str(share_dir), "--out", str(share_dir / "model"), "--polish-steps", "2",
                      "--polish-share-loss", "1", "--polish-share-target", "0.05"])
     assert " image share 0." in capsys.readouterr().out
+    # --polish-cooldown: the log reports the rate each step trained at, the last one's a quarter of --polish-lr
+    cool_dir = tmp_path / "cool"
+    cool_dir.mkdir()
+    shutil.copy(main_dir / "ckpt.pt", cool_dir / "ckpt.pt")
+    T.main(common + ["--run-dir", str(cool_dir), "--out", str(cool_dir / "model"), "--polish-steps", "4",
+                     "--polish-lr", "1e-3", "--polish-cooldown", "1"])
+    last = [line for line in capsys.readouterr().out.splitlines() if line.startswith("polish step 4/4")]
+    assert last and " lr 2.50e-04 " in last[0], last
     # without --ground-loss the main stage keeps SDPA and the polish stage alone switches to eager to read weights
     plain_dir = tmp_path / "plain"
     T.main(common[:-2] + ["--run-dir", str(plain_dir), "--out", str(plain_dir / "model"), "--polish-steps", "2",

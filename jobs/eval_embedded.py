@@ -196,6 +196,9 @@ def main(argv=None) -> int:
         ap.error(f"--attention-samples must be >= 0, got {args.attention_samples}")
 
     tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in TASK_METHODS]
+    if unknown or not tasks:
+        ap.error(f"--tasks {args.tasks!r}: give some of {', '.join(TASK_METHODS)}")
     bars: list[Bar] = []
     tables: dict[str, str] = {}
     print(f"model {args.model}; scene layout {args.layout}; {args.n} held-out samples per task (seed {args.seed})")

@@ -670,6 +670,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the decoder layers --polish-share-loss applies to (default: all)")
     ap.add_argument("--ground-layer", type=int, default=-1,
                     help="the decoder layer --ground-loss supervises (Python index; default the last)")
+    ap.add_argument("--polish-ground-layers", type=int, nargs="+", default=None, metavar="L",
+                    help="the decoder layers --ground-loss supervises in the polish stage, the mean of their losses "
+                         "(default: --ground-layer alone); e.g. 2 3 makes layer 2 read the described object's own "
+                         "cell as layer 3 does")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", default="auto",
@@ -790,17 +794,17 @@ def image_share_loss(attentions, rows, image, target: float | list[float]):
     return torch.relu(shares - limit).mean(), shares.detach().mean()
 
 
-def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.0, ground_layer: int = -1,
+def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.0, ground_layer: int | list[int] = -1,
                    share_weight: float = 0.0, share_target: float | list[float] = 0.0,
                    share_layers: list[int] | None = None):
     """One AdamW step on a training batch (its "labels" and "ground" popped): cross-entropy on the answer tokens,
-    plus ``ground_weight`` times ``grounding_loss`` of decoder layer ``ground_layer`` where the batch has attention
-    targets, plus ``share_weight`` times ``image_share_loss`` at ``share_target`` over the decoder layers
-    ``share_layers`` (default all); either loss needs the text attention eager, to return its weights. Gradient
-    clip 1; each parameter group at ``lr`` times its "lr_scale". With ``share_weight`` the grounding target is the
-    cell's share of the layer's *image* mass, so that the two losses do not pull against each other. Returns
-    (loss, logits (B, T-1, V) fp32, targets (B, T-1), the mean attention mass on the grounding targets or None,
-    the mean image share or None)."""
+    plus ``ground_weight`` times ``grounding_loss`` of decoder layer ``ground_layer`` (of several: their mean) where
+    the batch has attention targets, plus ``share_weight`` times ``image_share_loss`` at ``share_target`` over the
+    decoder layers ``share_layers`` (default all); either loss needs the text attention eager, to return its
+    weights. Gradient clip 1; each parameter group at ``lr`` times its "lr_scale". With ``share_weight`` the
+    grounding target is the cell's share of the layer's *image* mass, so that the two losses do not pull against
+    each other. Returns (loss, logits (B, T-1, V) fp32, targets (B, T-1), the mean attention mass on the grounding
+    targets or None, the mean image share or None)."""
     import torch
 
     for g in opt.param_groups:
@@ -816,8 +820,11 @@ def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.
     total, mass, share = loss, None, None
     image = batch["mm_token_type_ids"] != 0  # (B, T) the visual tokens
     if target is not None:
-        aux, mass = grounding_loss(out.attentions[ground_layer], target, image if share_weight else None)
-        total = total if aux is None else total + ground_weight * aux
+        layers = [ground_layer] if isinstance(ground_layer, int) else ground_layer
+        grounded = [grounding_loss(out.attentions[i], target, image if share_weight else None) for i in layers]
+        if grounded[0][0] is not None:  # the batch has target rows (the same rows in every layer)
+            aux, mass = grounded[0] if len(grounded) == 1 else (torch.stack(x).mean() for x in zip(*grounded))
+            total = total + ground_weight * aux
     if share_weight:
         rows = torch.zeros_like(image)
         rows[:, :-1] = tgt != -100  # the steps that predict an answer token
@@ -846,7 +853,7 @@ MAIN_RECIPE = ("size", "seed", "layout", "steps", "lr", "warmup", "weight_decay"
                "ground_layer", "ground_tasks")
 RECIPE = MAIN_RECIPE + (  # and the polish stage's
     "polish_steps", "polish_lr", "polish_cooldown", "polish_ground_tasks", "polish_seed", "polish_mix",
-    "polish_share_loss", "polish_share_target", "polish_share_layers")
+    "polish_share_loss", "polish_share_target", "polish_share_layers", "polish_ground_layers")
 # what the vision stage depends on
 VISION_RECIPE = ("size", "seed", "layout", "lr", "warmup", "weight_decay", "vision_steps")
 
@@ -859,7 +866,7 @@ def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str
              "ground_loss": 0.0, "ground_layer": -1, "ground_tasks": ["detailcaps"],
              "polish_seed": ck["args"].get("seed", 0) + 1, "polish_cooldown": 0.0, "polish_mix": None,
              "polish_share_loss": 0.0, "polish_share_target": 0.1,
-             "polish_share_layers": None}
+             "polish_share_layers": None, "polish_ground_layers": None}
     made = {k: ck["args"].get(k, older.get(k)) for k in keys}
     differ = [f"--{k.replace('_', '-')} {made[k]} (this run: {getattr(args, k)})" for k in keys
               if made[k] != getattr(args, k)]
@@ -953,6 +960,10 @@ class Trainer:
         """(weight, target, layers) of ``image_share_loss`` in this stage: off in the main stage."""
         return 0.0, 0.0, None
 
+    def ground_layers(self) -> int | list[int]:
+        """The decoder layer(s) --ground-loss supervises in this stage."""
+        return self.args.ground_layer
+
     def batch(self) -> dict:
         args = self.args
         return make_batch(self.builder, args.seed, self.step, args.steps, args.batch_scale, args.layout,
@@ -981,7 +992,7 @@ class Trainer:
             self.sink.set_logit(self.sink_logit())
         self.last_lr = self.lr()  # the rate this step trains at, which log() reports
         loss, logits, tgt, mass, share = optimizer_step(self.model, self.opt, batch, self.last_lr, args.ground_loss,
-                                                        args.ground_layer, *self.share_loss())
+                                                        self.ground_layers(), *self.share_loss())
         if self.sink is not None:
             self.sink.restore()  # undo weight decay on the held entries (their gradients are already zero)
         self.step += 1
@@ -1066,6 +1077,9 @@ class Polisher(Trainer):
     def share_loss(self) -> tuple[float, float, list[int] | None]:
         args = self.args
         return args.polish_share_loss, args.polish_share_target, args.polish_share_layers
+
+    def ground_layers(self) -> int | list[int]:
+        return self.args.ground_layer if self.args.polish_ground_layers is None else self.args.polish_ground_layers
 
     def batch(self) -> dict:
         args = self.args
@@ -1281,6 +1295,14 @@ def build_run_model(args: argparse.Namespace, tok, device):
     n_layers = MODEL_SIZES[args.size]["layers"]
     if not -n_layers <= args.ground_layer < n_layers:
         raise SystemExit(f"--ground-layer {args.ground_layer}: --size {args.size} has {n_layers} decoder layers")
+    if args.polish_ground_layers is not None:
+        if not args.polish_steps or not args.ground_loss:
+            raise SystemExit(f"--polish-ground-layers {args.polish_ground_layers} acts on --ground-loss in the polish "
+                             "stage: pass --polish-steps and --ground-loss")
+        if not all(-n_layers <= i < n_layers for i in args.polish_ground_layers):
+            raise SystemExit(f"--polish-ground-layers {args.polish_ground_layers}: --size {args.size} has decoder "
+                             f"layers 0 to {n_layers - 1}")
+        args.polish_ground_layers = sorted({i % n_layers for i in args.polish_ground_layers})  # one spelling
     if args.polish_share_layers is not None:
         if not all(0 <= i < n_layers for i in args.polish_share_layers):
             raise SystemExit(f"--polish-share-layers {args.polish_share_layers}: --size {args.size} has decoder "

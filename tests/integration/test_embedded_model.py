@@ -211,6 +211,10 @@ def test_image_share_aim_is_the_image_part_of_each_step(capsys):
     with pytest.raises(SystemExit):
         main(["--attention-samples", "-1"])  # refused before any model loads
     assert "--attention-samples must be >= 0" in capsys.readouterr().err
+    for tasks in ("detailcaps,images", ","):
+        with pytest.raises(SystemExit):
+            main(["--tasks", tasks])
+        assert f"--tasks '{tasks}': give some of detailcaps, textcaps, video" in capsys.readouterr().err
 
     steps, n_prompt = 3, 6
     attn = torch.zeros(1, n_prompt + steps, n_prompt + steps, dtype=torch.float64)  # (H, T, T)
@@ -682,7 +686,9 @@ def test_ground_targets_mark_the_captioned_objects_cell_at_textcaps_attribute_st
 def test_ground_loss_pulls_the_supervised_layers_attention_to_the_cell():
     """grounding_loss through optimizer_step: from one initialisation and on one v5 batch, steps with
     --ground-loss 1 raise layer 1's mean attention mass on the targeted tokens five-fold, and steps without it
-    (the batch's targets ignored) do not; the loss is -log of that mass, and nothing where no row has a target."""
+    (the batch's targets ignored) do not; given layers 0 and 1 (--polish-ground-layers) it raises both three-fold,
+    reporting their mean, where layer 1 alone leaves layer 0's mass under half of that. The loss is -log of that
+    mass, and nothing where no row has a target."""
     attn = torch.full((1, 2, 3, 3), 1 / 3)  # (B, H, T, T): even attention
     target = torch.zeros(1, 3, 3, dtype=torch.bool)
     assert T.grounding_loss(attn, target) == (None, None)
@@ -694,21 +700,29 @@ def test_ground_loss_pulls_the_supervised_layers_attention_to_the_cell():
     builder = T.BatchBuilder(T.build_processor(tok))
     batch = builder.build("detailcaps", [S.render("detailcaps", 3, i, layout="v5") for i in range(2)],
                           ground=S.get_layout("v5"))
-    masses = {}
-    for weight in (0.0, 1.0):
+    masses, reported = {}, {}
+    for weight, layers in ((0.0, 1), (1.0, 1), (1.0, [0, 1])):
         torch.manual_seed(0)
         model = T.build_model(tok, "tiny")
         model.set_attn_implementation({"text_config": "eager", "vision_config": "eager"})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for _ in range(20):
-            out = T.optimizer_step(model, opt, dict(batch), 1e-2, weight, ground_layer=1)
+            out = T.optimizer_step(model, opt, dict(batch), 1e-2, weight, ground_layer=layers)
             assert (out[3] is None) == (weight == 0)
         with torch.no_grad():
             inputs = {k: v for k, v in batch.items() if k not in ("labels", "ground")}
-            masses[weight] = float(T.grounding_loss(model(**inputs, output_attentions=True).attentions[1],
-                                                    batch["ground"])[1])
+            att = model(**inputs, output_attentions=True).attentions
+            key = weight, str(layers)
+            masses[key] = [float(T.grounding_loss(a, batch["ground"])[1]) for a in att]
+        if weight:  # the mass a step reports is that of the batch it trains on, before the step (here of rate 0)
+            reported[key] = float(T.optimizer_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                                   dict(batch), 0.0, weight, ground_layer=layers)[3])
     chance = 16 / 320  # a cell's tokens among v5's image tokens, were all the mass on the image
-    assert masses[0.0] < 2 * chance < 5 * chance < masses[1.0], masses
+    off, last, both = masses[0.0, "1"], masses[1.0, "1"], masses[1.0, "[0, 1]"]
+    assert off[1] < 2 * chance < 5 * chance < last[1], masses
+    assert 3 * chance < both[0] and 3 * chance < both[1] and last[0] < 0.5 * both[0], masses
+    assert reported[1.0, "1"] == pytest.approx(last[1], rel=1e-4)
+    assert reported[1.0, "[0, 1]"] == pytest.approx(sum(both) / 2, rel=1e-4)
 
 
 def test_share_loss_moves_attention_off_the_image():
@@ -853,12 +867,20 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
                                           "--polish-share-target", "0.3", "0.1"])
     T.build_run_model(args, tok, "cpu")
     assert args.polish_share_layers == [0, 1] and args.polish_share_target == [0.1, 0.3]
+    # --polish-ground-layers: the polish stage grounds those layers (one spelling, -1 the last), the main stage its own
+    args = T.parse_args(common + flags + ["--polish-ground-layers", "-1", "0"])
+    T.build_run_model(args, tok, "cpu")
+    unused = tmp_path / "unused.pt"
+    assert T.Polisher(args, model, T.main_optimizer(model, args), builder, unused, 0.0, sink).ground_layers() == [0, 1]
+    assert T.Trainer(args, model, None, builder, unused, 0, 0.0, sink).ground_layers() == -1
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-seed 1 \\(this run: 2\\)"):
         T.main(common + flags + ["--polish-seed", "2"])
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-cooldown 0.0 \\(this run: 0.5\\)"):
         T.main(common + flags + ["--polish-cooldown", "0.5"])
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-share-loss 0.0 \\(this run: 1.0\\)"):
         T.main(common + flags + ["--polish-share-loss", "1"])
+    with pytest.raises(SystemExit, match="other recipe flags:.*--polish-ground-layers None \\(this run: \\[0, 1\\]\\)"):
+        T.main(common + flags + ["--polish-ground-layers", "-1", "0"])  # -1 is the last layer, 1
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-mix None \\(this run: \\{'textcaps': 1.0"):
         T.main(common + flags + ["--polish-mix", "textcaps=1", "video=1"])
     # --polish-share-loss: a polish stage from the same main stage logs the image's share of attention
@@ -889,6 +911,8 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
                       (["--seed", str(S.HELDOUT_SEED)], "--seed 10000:"),
                       (["--polish-share-loss", "-1"], "--polish-share-loss"),
                       (["--polish-share-loss", "1"], "pass --polish-steps"),
+                      (["--polish-ground-layers", "1"], "--polish-ground-layers \\[1\\] acts on --ground-loss"),
+                      (["--polish-steps", "2", "--polish-ground-layers", "2"], "--polish-ground-layers \\[2\\]: "),
                       (["--polish-share-target", "1"], "--polish-share-target"),
                       (["--polish-share-layers", "2"], "--polish-share-layers"),
                       (["--polish-share-target", "0.1", "0.2"], "needs --polish-share-layers"),

@@ -674,6 +674,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the decoder layers --ground-loss supervises in the polish stage, the mean of their losses "
                          "(default: --ground-layer alone); e.g. 2 3 makes layer 2 read the described object's own "
                          "cell as layer 3 does")
+    ap.add_argument("--polish-ground-spread", nargs="+", default=None, choices=["detailcaps", "textcaps"],
+                    metavar="TASK",
+                    help="in the polish stage, on these tasks' batches, --ground-loss asks for the step's attention "
+                         "spread evenly over the cell's tokens (cross-entropy against the uniform distribution over "
+                         "them) instead of only its mass on the cell: a step that reads an object reads all of it, "
+                         "not one entry of it")
     ap.add_argument("--batch-scale", type=float, default=1.0, help="multiply the per-task batch sizes")
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", default="auto",
@@ -765,21 +771,31 @@ def image_mass(attn, image):
     return (attn * image[:, None, None, :].to(attn.dtype)).sum(-1)
 
 
-def grounding_loss(attn, target, image=None):
+def grounding_loss(attn, target, image=None, spread: bool = False):
     """Supervised attention: the mean over heads and target rows of -log(the attention mass on the row's
     targets). ``attn`` (B, H, T, T) one layer's weights, ``target`` (B, T, T) bool (``ground_targets``); with
     ``image`` ((B, T) bool, the visual tokens) the mass is a share of the row's mass on the image instead of its
-    whole mass. Returns (loss, mean mass on the targets), or (None, None) where no row has a target."""
+    whole mass. With ``spread`` the row's term is instead the cross-entropy of its attention against the uniform
+    distribution over its n targets, less its minimum log n: -mean over targets of log(n * weight), 0 only when
+    all the mass is on the targets and evenly (the whole cell read, not one entry of it). Returns (loss, mean mass
+    on the targets), or (None, None) where no row has a target."""
     import torch
 
     rows = target.any(-1)  # (B, T)
     if not rows.any():
         return None, None
-    mass = (attn * target[:, None].to(attn.dtype)).sum(-1)  # (B, H, T)
+    on = target[:, None].to(attn.dtype)  # (B, 1, T, T)
+    mass = (attn * on).sum(-1)  # (B, H, T)
     if image is not None:
-        mass = mass / image_mass(attn, image).clamp_min(1e-6)
+        scale = image_mass(attn, image).clamp_min(1e-6)  # (B, H, T)
+        mass = mass / scale
+    if spread:
+        n = on.sum(-1).clamp_min(1)  # (B, 1, T) targets per row
+        share = attn / scale[..., None] if image is not None else attn  # (B, H, T, T)
+        ce = -(torch.log(share * n[..., None] + 1e-4) * on).sum(-1) / n  # (B, H, T)
+        loss = ce.transpose(1, 2)[rows].mean()
     mass = mass.transpose(1, 2)[rows]  # (rows, H)
-    return -torch.log(mass + 1e-4).mean(), mass.detach().mean()
+    return (loss if spread else -torch.log(mass + 1e-4).mean()), mass.detach().mean()
 
 
 def image_share_loss(attentions, rows, image, target: float | list[float]):
@@ -796,15 +812,15 @@ def image_share_loss(attentions, rows, image, target: float | list[float]):
 
 def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.0, ground_layer: int | list[int] = -1,
                    share_weight: float = 0.0, share_target: float | list[float] = 0.0,
-                   share_layers: list[int] | None = None):
+                   share_layers: list[int] | None = None, ground_spread: bool = False):
     """One AdamW step on a training batch (its "labels" and "ground" popped): cross-entropy on the answer tokens,
     plus ``ground_weight`` times ``grounding_loss`` of decoder layer ``ground_layer`` (of several: their mean) where
     the batch has attention targets, plus ``share_weight`` times ``image_share_loss`` at ``share_target`` over the
     decoder layers ``share_layers`` (default all); either loss needs the text attention eager, to return its
     weights. Gradient clip 1; each parameter group at ``lr`` times its "lr_scale". With ``share_weight`` the
     grounding target is the cell's share of the layer's *image* mass, so that the two losses do not pull against
-    each other. Returns (loss, logits (B, T-1, V) fp32, targets (B, T-1), the mean attention mass on the grounding
-    targets or None, the mean image share or None)."""
+    each other; ``ground_spread`` is ``grounding_loss``'s ``spread``. Returns (loss, logits (B, T-1, V) fp32,
+    targets (B, T-1), the mean attention mass on the grounding targets or None, the mean image share or None)."""
     import torch
 
     for g in opt.param_groups:
@@ -821,7 +837,8 @@ def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.
     image = batch["mm_token_type_ids"] != 0  # (B, T) the visual tokens
     if target is not None:
         layers = [ground_layer] if isinstance(ground_layer, int) else ground_layer
-        grounded = [grounding_loss(out.attentions[i], target, image if share_weight else None) for i in layers]
+        grounded = [grounding_loss(out.attentions[i], target, image if share_weight else None, ground_spread)
+                    for i in layers]
         if grounded[0][0] is not None:  # the batch has target rows (the same rows in every layer)
             aux, mass = grounded[0] if len(grounded) == 1 else (torch.stack(x).mean() for x in zip(*grounded))
             total = total + ground_weight * aux
@@ -853,7 +870,7 @@ MAIN_RECIPE = ("size", "seed", "layout", "steps", "lr", "warmup", "weight_decay"
                "ground_layer", "ground_tasks")
 RECIPE = MAIN_RECIPE + (  # and the polish stage's
     "polish_steps", "polish_lr", "polish_cooldown", "polish_ground_tasks", "polish_seed", "polish_mix",
-    "polish_share_loss", "polish_share_target", "polish_share_layers", "polish_ground_layers")
+    "polish_share_loss", "polish_share_target", "polish_share_layers", "polish_ground_layers", "polish_ground_spread")
 # what the vision stage depends on
 VISION_RECIPE = ("size", "seed", "layout", "lr", "warmup", "weight_decay", "vision_steps")
 
@@ -866,7 +883,7 @@ def check_recipe(ck: dict, args: argparse.Namespace, path: Path, keys: tuple[str
              "ground_loss": 0.0, "ground_layer": -1, "ground_tasks": ["detailcaps"],
              "polish_seed": ck["args"].get("seed", 0) + 1, "polish_cooldown": 0.0, "polish_mix": None,
              "polish_share_loss": 0.0, "polish_share_target": 0.1,
-             "polish_share_layers": None, "polish_ground_layers": None}
+             "polish_share_layers": None, "polish_ground_layers": None, "polish_ground_spread": None}
     made = {k: ck["args"].get(k, older.get(k)) for k in keys}
     differ = [f"--{k.replace('_', '-')} {made[k]} (this run: {getattr(args, k)})" for k in keys
               if made[k] != getattr(args, k)]
@@ -960,6 +977,10 @@ class Trainer:
         """(weight, target, layers) of ``image_share_loss`` in this stage: off in the main stage."""
         return 0.0, 0.0, None
 
+    def ground_spread(self) -> bool:
+        """Whether --ground-loss asks for the cell's mass spread evenly over it in this stage (grounding_loss)."""
+        return False
+
     def ground_layers(self) -> int | list[int]:
         """The decoder layer(s) --ground-loss supervises in this stage."""
         return self.args.ground_layer
@@ -992,7 +1013,8 @@ class Trainer:
             self.sink.set_logit(self.sink_logit())
         self.last_lr = self.lr()  # the rate this step trains at, which log() reports
         loss, logits, tgt, mass, share = optimizer_step(self.model, self.opt, batch, self.last_lr, args.ground_loss,
-                                                        self.ground_layers(), *self.share_loss())
+                                                        self.ground_layers(), *self.share_loss(),
+                                                        ground_spread=self.ground_spread())
         if self.sink is not None:
             self.sink.restore()  # undo weight decay on the held entries (their gradients are already zero)
         self.step += 1
@@ -1081,10 +1103,19 @@ class Polisher(Trainer):
     def ground_layers(self) -> int | list[int]:
         return self.args.ground_layer if self.args.polish_ground_layers is None else self.args.polish_ground_layers
 
+    def plan_step(self) -> int:
+        """The curriculum step this polish step draws its batch from: the main stage's last --polish-steps."""
+        return self.args.steps - self.args.polish_steps + self.step
+
+    def ground_spread(self) -> bool:
+        args = self.args
+        task = batch_plan(args.polish_seed, self.plan_step(), args.steps, args.batch_scale, args.layout,
+                          args.polish_mix)[0]
+        return task in (args.polish_ground_spread or ())
+
     def batch(self) -> dict:
         args = self.args
-        return make_batch(self.builder, args.polish_seed, args.steps - args.polish_steps + self.step, args.steps,
-                          args.batch_scale, args.layout,
+        return make_batch(self.builder, args.polish_seed, self.plan_step(), args.steps, args.batch_scale, args.layout,
                           ground=tuple(args.polish_ground_tasks) if args.ground_loss else (),
                           mix=args.polish_mix)[1]
 
@@ -1295,6 +1326,11 @@ def build_run_model(args: argparse.Namespace, tok, device):
     n_layers = MODEL_SIZES[args.size]["layers"]
     if not -n_layers <= args.ground_layer < n_layers:
         raise SystemExit(f"--ground-layer {args.ground_layer}: --size {args.size} has {n_layers} decoder layers")
+    if args.polish_ground_spread is not None:
+        if not (args.polish_steps and args.ground_loss):
+            raise SystemExit(f"--polish-ground-spread {' '.join(args.polish_ground_spread)} acts on --ground-loss in "
+                             "the polish stage: pass --polish-steps and --ground-loss")
+        args.polish_ground_spread = sorted(set(args.polish_ground_spread))  # one spelling, for the recipe
     if args.polish_ground_layers is not None:
         if not args.polish_steps or not args.ground_loss:
             raise SystemExit(f"--polish-ground-layers {args.polish_ground_layers} acts on --ground-loss in the polish "

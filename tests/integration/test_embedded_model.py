@@ -725,6 +725,48 @@ def test_ground_loss_pulls_the_supervised_layers_attention_to_the_cell():
     assert reported[1.0, "[0, 1]"] == pytest.approx(sum(both) / 2, rel=1e-4)
 
 
+def test_ground_spread_asks_for_the_whole_cell_not_one_entry():
+    """grounding_loss(spread=True) (--polish-ground-spread) is the cross-entropy of a target row's attention against
+    the uniform distribution over its targets, less log n: 0 for all the mass spread evenly on them, and more for
+    the same mass on the targets unevenly, where the plain loss sees only the mass. From one initialisation and on
+    one v5 batch, 20 steps with it leave layer 1's attention within the described cell spread over 12 or more of
+    its 16 tokens (exp of the entropy), where the plain loss's steps leave it on fewer than 10, with the mass on the
+    cell still over five times chance."""
+    attn = torch.tensor([0.1, 0.2, 0.3, 0.4]).expand(1, 1, 1, 4)  # (B, H, T, T): one row
+    target = torch.zeros(1, 1, 4, dtype=torch.bool)
+    target[0, 0, 2:] = True  # the targets hold 0.3 and 0.4
+    loss, mass = T.grounding_loss(attn, target, spread=True)
+    assert mass == pytest.approx(0.7) and loss == pytest.approx(-(np.log(0.6 + 1e-4) + np.log(0.8 + 1e-4)) / 2)
+    even = torch.tensor([0.0, 0.0, 0.5, 0.5]).expand(1, 1, 1, 4)
+    uneven = torch.tensor([0.0, 0.0, 0.1, 0.9]).expand(1, 1, 1, 4)
+    assert T.grounding_loss(even, target, spread=True)[0] == pytest.approx(0.0, abs=1e-3)
+    assert T.grounding_loss(uneven, target, spread=True)[0] > 0.5
+    assert T.grounding_loss(even, target)[0] == pytest.approx(T.grounding_loss(uneven, target)[0])
+
+    tok = T.build_tokenizer()
+    builder = T.BatchBuilder(T.build_processor(tok))
+    batch = builder.build("detailcaps", [S.render("detailcaps", 3, i, layout="v5") for i in range(2)],
+                          ground=S.get_layout("v5"))
+    rows = batch["ground"].any(-1)  # (B, T)
+    got = {}
+    for spread in (False, True):
+        torch.manual_seed(0)
+        model = T.build_model(tok, "tiny")
+        model.set_attn_implementation({"text_config": "eager", "vision_config": "eager"})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(20):
+            T.optimizer_step(model, opt, dict(batch), 1e-2, 1.0, ground_layer=1, ground_spread=spread)
+        with torch.no_grad():
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "ground")}
+            att = model(**inputs, output_attentions=True).attentions[1]  # (B, H, T, T)
+            on = att * batch["ground"][:, None]
+            p = on / on.sum(-1, keepdim=True).clamp_min(1e-9)  # the row's distribution within its cell
+            tokens = torch.exp(-(p * torch.log(p.clamp_min(1e-12))).sum(-1))  # (B, H, T)
+            got[spread] = float(tokens.transpose(1, 2)[rows].mean()), float(T.grounding_loss(att, batch["ground"])[1])
+    assert got[False][0] < 10 < 12 < got[True][0] <= 16, got
+    assert got[True][1] > 5 * 16 / 320, got
+
+
 def test_share_loss_moves_attention_off_the_image():
     """image_share_loss through optimizer_step (--polish-share-loss): its value is the mean excess of the image's
     share of attention over the target at the answer steps only, and the grounding mass it pairs with is a share of
@@ -873,6 +915,20 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
     unused = tmp_path / "unused.pt"
     assert T.Polisher(args, model, T.main_optimizer(model, args), builder, unused, 0.0, sink).ground_layers() == [0, 1]
     assert T.Trainer(args, model, None, builder, unused, 0, 0.0, sink).ground_layers() == -1
+    # --polish-ground-spread TASK: the polish steps whose batch is of those tasks spread their grounding, no others
+    args = T.parse_args(common + flags + ["--steps", "22", "--polish-steps", "8", "--polish-ground-spread",
+                                          "detailcaps", "--fresh"])
+    T.build_run_model(args, tok, "cpu")
+    polisher = T.Polisher(args, model, T.main_optimizer(model, args), builder, unused, 0.0, sink)
+    spread = []
+    for step in range(8):
+        polisher.step = step
+        spread.append((T.batch_plan(1, 14 + step, 22, 0.25, "v5")[0], polisher.ground_spread()))
+    assert {"detailcaps", "textcaps"} <= {task for task, _ in spread}, spread
+    assert all(on == (task == "detailcaps") for task, on in spread), spread
+    assert not T.Trainer(args, model, None, builder, unused, 0, 0.0, sink).ground_spread()
+    with pytest.raises(SystemExit, match="other recipe flags:.*--polish-ground-spread None \\(this run: \\['textc"):
+        T.main(common + flags + ["--polish-ground-spread", "textcaps", "textcaps"])  # one spelling
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-seed 1 \\(this run: 2\\)"):
         T.main(common + flags + ["--polish-seed", "2"])
     with pytest.raises(SystemExit, match="other recipe flags:.*--polish-cooldown 0.0 \\(this run: 0.5\\)"):
@@ -912,6 +968,7 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
                       (["--polish-share-loss", "-1"], "--polish-share-loss"),
                       (["--polish-share-loss", "1"], "pass --polish-steps"),
                       (["--polish-ground-layers", "1"], "--polish-ground-layers \\[1\\] acts on --ground-loss"),
+                      (["--polish-ground-spread", "detailcaps"], "--polish-ground-spread detailcaps acts on"),
                       (["--polish-steps", "2", "--polish-ground-layers", "2"], "--polish-ground-layers \\[2\\]: "),
                       (["--polish-share-target", "1"], "--polish-share-target"),
                       (["--polish-share-layers", "2"], "--polish-share-layers"),

@@ -6,7 +6,9 @@ loads offline with ``from_pretrained(<dir>)`` and runs through the same code pat
 
     python jobs/train_embedded.py --layout v5 --vision-steps 800 --vision-lr-scale 0.1 --hold-sink \
         --sink-logit 10 --sink-ramp 0.3 0.45 --ground-loss 1 --steps 4500 --polish-steps 1200 --polish-lr 5e-4 \
-        --polish-ground-tasks detailcaps textcaps   # the shipped model (run Y); resumes
+        --polish-ground-tasks detailcaps textcaps --polish-ground-spread detailcaps --polish-cooldown 0.25 \
+        --polish-mix detailcaps=0.45 textcaps=0.3 video=0.25 --seed 6 --threads 2 \
+        --out runs/embedded --same-as rcr/embedded_model   # the shipped model (run ADCM), ~92 min; resumes
     python jobs/train_embedded.py                       # run I's recipe on v4, bootstrapped on v1 (no sink)
     python jobs/train_embedded.py --device cuda         # minutes on a GPU
     python jobs/train_embedded.py --minutes 2 --out runs/smoke --run-dir runs/smoke   # smoke run

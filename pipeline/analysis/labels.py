@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from pipeline.schema import METHOD_ORDER
 
 FULL, BACON, RCR, EXACT, FIXED = "full", "bacon", "rcr", "exact", "fixed"
+PREFILL_ORACLE = "prefill_oracle"
 BASELINES = (BACON, RCR)  # every method gets a paired difference from each of these (when present)
 TERCILE_METHODS = (RCR, FIXED, EXACT)
 DEFAULT_TAU_SWEEP = (0.02, 0.03, 0.05, 0.10, 0.15)

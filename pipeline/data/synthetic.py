@@ -30,14 +30,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-TASKS = ("detailcaps", "textcaps", "video")
-SOURCE = "synthetic"
+from pipeline.schema import TASKS
+from rcr.models import PROMPTS
 
-PROMPTS = {
-    "detailcaps": "Describe this image in detail.",
-    "textcaps": "Provide a one-sentence caption for the provided image.",
-    "video": "Describe what happens in this video.",
-}
+SOURCE = "synthetic"
 
 COLOURS = {
     "red": (220, 40, 40),
@@ -74,16 +70,16 @@ class SceneLayout:
     # the empty canvas is a smooth, faintly coloured random field with pixel grain instead of flat grey, as a
     # photo's background is: on flat grey every empty-canvas token carries the same value, and a tiny model parks
     # its idle attention on those hundreds of identical entries, a spread-out sink that no selection of 32 holds
-    # (benchmarks/attention_profile.py, column `flat`); the objects keep their saturated colours
+    # (the attention probe, column `flat`); the objects keep their saturated colours
     textured: bool = False
     # how far a textured canvas departs from flat grey: 0 is its flat twin, 1 the full texture. Only training
-    # sets it below 1 (jobs/train_embedded.py ramps it up, so that reading learnt on flat grey carries over)
+    # sets it below 1 (the trainer's curriculum ramps it up, so that reading learnt on flat grey carries over)
     canvas_strength: float = 1.0
     # a textured canvas lit by position: brighter down the image and warmer to the right (``_light``), so that a
     # visual token's own pixels say where it is. Qwen2-VL's vision tower has no absolute position embedding and
     # its decoder sees an image token's place only through M-RoPE, relative to the query's own position; a
     # description step that names "row two , column three" then has no content to match, and the v4-trained
-    # models spread their image attention over every cell alike (docs/embedded.md, round 9)
+    # models spread their image attention over every cell alike
     lit: bool = False
 
     @property
@@ -128,8 +124,7 @@ QUADRANTS = ("the top left", "the top right", "the bottom left", "the bottom rig
 BIG_RADIUS = 22.0
 SMALL_RADIUS = 13.0
 
-TRAIN_SEED = 0  # jobs/train_embedded.py trains on seed 0
-HELDOUT_SEED = 10_000  # evaluation and the embedded job's shards use this seed: never seen in training
+HELDOUT_SEED = 10_000  # evaluation and the embedded job's shards use this seed: training refuses it (its recipe)
 
 _TASK_CODE = {t: i + 1 for i, t in enumerate(TASKS)}
 

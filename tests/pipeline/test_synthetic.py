@@ -207,7 +207,7 @@ def test_layouts_keep_video_and_tag_sample_ids():
 
 
 def test_forced_object_count_is_in_the_scene_and_the_id():
-    """benchmarks/drift_spread.py draws detailcaps scenes of a given size: the count reaches the description
+    """The drift_spread probe draws detailcaps scenes of a given size: the count reaches the description
     (one clause per occupied cell) and the id, so scenes of two counts never share a key."""
     rec = S.make_record("detailcaps", 0, 1, layout="v5", n_objects=3)
     assert rec["sample_id"] == "synthetic-v5-detailcaps-n3-s0-0000001"

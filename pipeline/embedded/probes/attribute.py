@@ -5,31 +5,25 @@ attends to carry them. This script takes the hidden states of the image tokens t
 flat on the scene's flat-canvas twin) at the input of every decoder layer, fits a ridge regression from them to
 their object's attribute on the first ``--train`` held-out detailcaps scenes, and prints the share of the remaining
 scenes' object tokens it names, beside the commonest value's share (what a probe that learnt nothing scores).
-benchmarks/position_probe.py asks the same of a token's cell; benchmarks/reading_probe.py whether the decoder's
-words then get the attributes right.
+The ``position`` probe asks the same of a token's cell; the ``reading`` probe whether the decoder's words then get
+the attributes right.
 
-    python benchmarks/attribute_probe.py                                  # the embedded model, layout v4
-    python benchmarks/attribute_probe.py --model DIR --n 16 --train 11
+    python -m pipeline.embedded.probes.attribute                                  # the embedded model, layout v4
+    python -m pipeline.embedded.probes.attribute --model DIR --n 16 --train 11
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.attention_profile import flat_tokens  # noqa: E402
-from benchmarks.position_probe import probe_accuracy, probe_args, scene_hidden  # noqa: E402
-from benchmarks.reading_probe import ATTRIBUTES  # noqa: E402
-from pipeline.data import synthetic as S  # noqa: E402
-from rcr.models import load  # noqa: E402
+from pipeline.data import synthetic as S
+from pipeline.embedded.probes.common import flat_tokens
+from pipeline.embedded.probes.position import probe_accuracy, probe_args, scene_hidden
+from pipeline.embedded.probes.reading import ATTRIBUTES
+from rcr.models import load
 
 
 def cell_objects(text: str, lay: S.SceneLayout) -> dict[int, list[str]]:

@@ -11,33 +11,27 @@ scene gives the hidden states at the input of every decoder layer; a ridge regre
 
 * image tokens (the keys' side), and
 * steps that write an attribute word the text has not already announced (the queries' side; the words
-  benchmarks/reading_probe.py scores);
+  ``pipeline.embedded.probes.reading`` scores);
 
-chance is 1 / cells. benchmarks/attention_profile.py's column ``cell`` says whether the steps then attend to the
-cell they describe.
+chance is 1 / cells. The ``attention`` probe's column ``cell`` says whether the steps then attend to the cell they
+describe.
 
-    python benchmarks/position_probe.py                                   # the embedded model, layout v4
-    python benchmarks/position_probe.py --model DIR --layout v5 --n 12 --train 8
+    python -m pipeline.embedded.probes.position                                   # the embedded model, layout v4
+    python -m pipeline.embedded.probes.position --model DIR --layout v5 --n 12 --train 8
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.reading_probe import ATTRIBUTES, scored_positions  # noqa: E402
-from pipeline.data import synthetic as S  # noqa: E402
-from rcr.models import build_inputs, load, with_answer  # noqa: E402
+from pipeline.data import synthetic as S
+from pipeline.embedded.probes.reading import ATTRIBUTES, scored_positions
+from rcr.models import build_inputs, load, with_answer
 
 
 def probe_accuracy(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
@@ -78,8 +72,8 @@ def attribute_steps(words: list[str], lay: S.SceneLayout) -> tuple[list[int], li
 
 
 def probe_args(doc: str, argv, n: int, train: int) -> argparse.Namespace:
-    """The flags of a hidden-state probe script (this one, benchmarks/attribute_probe.py), with --n scenes of which
-    --train are fitted on by default; torch threads are set."""
+    """The flags of a hidden-state probe script (this one, the ``attribute`` probe), with --n scenes of which --train
+    are fitted on by default; torch threads are set."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded", help="a model directory, or 'embedded' (default)")
     ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS), help="synthetic scene layout")

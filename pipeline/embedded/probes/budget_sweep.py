@@ -1,9 +1,10 @@
 """Fidelity against the resident budget on the embedded model: when does re-selection beat a static selection?
 
-    python benchmarks/budget_sweep.py [--model embedded] [--layout v2] [--samples 16] [--selected 16,32,64]
-    python benchmarks/budget_sweep.py --whole-layers 0     # ablation: layer 0 attends to its whole prefix
-    python benchmarks/budget_sweep.py --selected 32 --methods exact,quest,arkvale --page-sizes 1,4,8,16
-    python benchmarks/budget_sweep.py --selected 32 --methods exact,infinigen --set infinigen_partial_ratio=1.0
+    python -m pipeline.embedded.probes.budget_sweep [--model embedded] [--samples 16] [--selected 16,32,64]
+    python -m pipeline.embedded.probes.budget_sweep --whole-layers 0    # ablation: layer 0 attends to its whole prefix
+    python -m pipeline.embedded.probes.budget_sweep --selected 32 --methods exact,quest,arkvale --page-sizes 1,4,8,16
+    python -m pipeline.embedded.probes.budget_sweep --selected 32 --methods exact,infinigen \
+        --set infinigen_partial_ratio=1.0
 
 For each ``selected`` budget (window fixed at 32), every method decodes the same held-out synthetic
 ``detailcaps`` scenes (seed ``pipeline.data.synthetic.HELDOUT_SEED``) from one prefill per batch, through the
@@ -36,15 +37,10 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "jobs"))
-
-from eval_embedded import evaluate_task  # noqa: E402  (the pipeline's evaluator on held-out scenes)
-
-from pipeline.analysis.analyze import analyze  # noqa: E402
-from pipeline.data import synthetic as S  # noqa: E402
-from pipeline.run.config import EMBEDDED, JobConfig  # noqa: E402
+from pipeline.analysis.analyze import analyze
+from pipeline.data import synthetic as S
+from pipeline.embedded.probes.common import evaluate_task
+from pipeline.run.config import EMBEDDED, JobConfig
 
 
 @contextlib.contextmanager

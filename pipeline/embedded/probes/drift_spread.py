@@ -18,8 +18,8 @@ fraction in the low / mid / high tercile of sample drift, and Spearman's rho of 
 against its object count. A model whose drift is set by its layers shows the same drift for every kind and no
 tercile spread; one whose drift follows what the description reads shows it rising with the count.
 
-    python benchmarks/drift_spread.py                                   # the embedded model, 8 samples per kind
-    python benchmarks/drift_spread.py --model runs/train/final --objects 3,6,12,18 --tasks textcaps,video
+    python -m pipeline.embedded.probes.drift_spread   # the embedded model, 8 samples per kind
+    python -m pipeline.embedded.probes.drift_spread --model runs/train/final --objects 3,6,12,18 --tasks textcaps,video
 """
 
 from __future__ import annotations
@@ -27,20 +27,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from scipy.stats import spearmanr
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from jobs.eval_embedded import evaluate_task  # noqa: E402
-from pipeline.analysis.analyze import analyze  # noqa: E402
-from pipeline.data import synthetic as S  # noqa: E402
-from pipeline.run.config import EMBEDDED, JobConfig  # noqa: E402
+from pipeline.analysis.analyze import analyze
+from pipeline.data import synthetic as S
+from pipeline.embedded.probes.common import evaluate_task
+from pipeline.run.config import EMBEDDED, JobConfig
 
 METHODS = ["full", "exact", "fixed"]
 

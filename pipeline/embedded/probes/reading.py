@@ -10,25 +10,19 @@ A model that ignores the image still writes the template perfectly and copies a 
 its own earlier text ("... , left of the blue square . In row one , column two , a small blue ..."), so overall
 token accuracy says little; these words sit at chance (printed alongside) unless the model reads the scene.
 
-    python benchmarks/reading_probe.py                                  # the embedded model, 8 samples per task
-    python benchmarks/reading_probe.py --model /tmp/peek --layout v4 --n 16
+    python -m pipeline.embedded.probes.reading                                  # the embedded model, 8 samples per task
+    python -m pipeline.embedded.probes.reading --model /tmp/peek --layout v4 --n 16
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from pipeline.data import synthetic as S  # noqa: E402
-from rcr.models import PROMPTS, build_inputs, load, with_answer  # noqa: E402
+from pipeline.data import synthetic as S
+from rcr.models import PROMPTS, build_inputs, load, with_answer
 
 # attribute words by their offset after "a", and the chance of a uniform guess (the generator draws uniformly)
 ATTRIBUTES = {"size": (1, S.SIZES), "colour": (2, tuple(S.COLOURS)), "texture": (3, S.TEXTURES),

@@ -1,0 +1,17 @@
+"""The premise check: what RCR assumes of a model, measured on any supported family (``pipeline/diagnose``).
+
+    python jobs/diagnose.py                                        # the embedded default, a few minutes
+    python jobs/diagnose.py --model Qwen/Qwen2-VL-7B-Instruct --shards /data/shards/detailcaps --device cuda
+
+It takes the jobs' flags (``--help``); one table, a Parquet directory, one MLflow run.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pipeline.diagnose.run import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

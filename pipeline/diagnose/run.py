@@ -1,0 +1,199 @@
+"""The premise check as a job: ``python jobs/diagnose.py --model M --shards S`` (or ``--dataset``).
+
+1. The pipeline's own job (``pipeline.run.driver``: Ray actors, Parquet, resume) decodes ``full``, ``bacon``,
+   ``prefill_oracle``, ``exact`` and ``fixed`` (and any ``--methods`` added) on the first ``--limit`` samples,
+   with exact drift and the most-attended prefix position recorded.
+2. On the driver, the model answers the first ``--probe-samples`` of them once more with eager attention, for
+   the per-layer probes (``attention.profile``, ``detector.probe``).
+3. ``premises.figures`` -> one printed table; ``<output dir>/_diagnose/`` gets the figures, per-layer and per-head
+   tables (Parquet) and a plot; one MLflow run gets the figures as metrics and those files as artifacts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from pipeline.analysis import tracking
+from pipeline.analysis.analyze import analyze
+from pipeline.analysis.labels import BACON, EXACT, FIXED, FULL, PREFILL_ORACLE
+from pipeline.diagnose import premises
+from pipeline.run import driver
+from pipeline.run.config import ConfigError, JobConfig, build_arg_parser, model_slug
+from pipeline.run.store import OutputStore
+
+METHODS = (FULL, BACON, PREFILL_ORACLE, EXACT, FIXED)  # what the figures need
+DEFAULT_LIMIT = 40
+DEFAULT_PROBE_SAMPLES = 3
+EXAMPLES = """examples:
+  python jobs/diagnose.py                                            # the embedded default, a few minutes
+  python jobs/diagnose.py --model Qwen/Qwen2-VL-7B-Instruct --shards /data/shards/detailcaps --limit 100 --device cuda
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = build_arg_parser(None)
+    p.prog = "diagnose.py"
+    p.description = ("Measure what RCR assumes of a model (attention dwell, staleness of a static selection, drift "
+                     "between samples, detector recall, image share) on the first --limit samples (default "
+                     f"{DEFAULT_LIMIT}); --methods adds methods to the ones the figures need ({', '.join(METHODS)}).")
+    p.epilog = EXAMPLES
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--probe-samples", type=int, default=DEFAULT_PROBE_SAMPLES,
+                   help="samples the per-layer probes answer again on the driver, with eager attention (0: skip "
+                        f"them) (default: {DEFAULT_PROBE_SAMPLES})")
+    return p
+
+
+def job_config(argv: list[str] | None) -> tuple[JobConfig, int]:
+    """The diagnose job's config: the user's flags over the diagnose defaults (methods, limit, job name, exact
+    drift, no per-method summary); and the number of probe samples."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = parser().parse_args(argv)
+    if ns.probe_samples < 0:
+        raise ConfigError("probe_samples", f"must be >= 0, got {ns.probe_samples}")
+    rest = _without(argv, "--probe-samples")
+    user = JobConfig.from_args(rest)  # the user's flags alone: task, model, methods
+    methods = list(dict.fromkeys([*METHODS, *(user.methods if ns.methods else [])]))
+    defaults = ["--limit", str(DEFAULT_LIMIT), "--no-summary", "--job-name",
+                f"diagnose-{user.task}-{model_slug(user.model)}", "--rcr", "exact_drift=true"]
+    return JobConfig.from_args(defaults + _without(rest, "--methods") + ["--methods", ",".join(methods)]), \
+        ns.probe_samples
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+def probes(cfg: JobConfig, n: int):
+    """(attention profile per layer, detector figures per layer and KV head, re-selected layers) on the first
+    ``n`` samples of the job's input, answered on this process's device."""
+    import torch
+
+    from pipeline.data.images import load_sample_images
+    from pipeline.diagnose import attention, detector
+    from pipeline.run.store import read_rows
+    from rcr import RCRConfig
+    from rcr.models import geometry, load
+
+    _, rows, _ = driver.scan_inputs(cfg)
+    samples = []
+    for row in read_rows(rows[:n]).values():
+        images = load_sample_images(row["images"], cfg.task, cfg.max_frames, cfg.max_image_bytes,
+                                    cfg.max_image_pixels)
+        samples.append((row["prompt"], images, cfg.task == "video"))
+    device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
+    model, processor = load(cfg.model_path(), device=device, trust_remote_code=cfg.trust_remote_code)
+    model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path
+    rcfg = RCRConfig(**cfg.rcr)
+    answers = attention.greedy_answers(model, processor, samples, cfg.max_new_tokens)
+    layers = attention.profile(model, answers, rcfg.selected)
+    return layers, detector.probe(model, answers, rcfg), geometry(model).treated
+
+
+def layer_frames(layers: list[dict], heads: list[list[dict]], treated) -> tuple[pd.DataFrame, pd.DataFrame]:
+    lf = pd.DataFrame([{"layer": i, "reselected": treated[i], **r} for i, r in enumerate(layers)])
+    hf = pd.DataFrame([{"layer": i, "kv_head": h, **r} for i, hs in enumerate(heads) for h, r in enumerate(hs)])
+    return lf, hf
+
+
+def plot(a, layers: list[dict] | None, treated, path: Path) -> Path:
+    """Left: each sample's mean drift, sorted, coloured by tercile. Right: per re-selected layer, the image share of
+    a step's attention and the top-S share an exact selection keeps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    per = a.per_sample.drop_duplicates("sample_id").dropna(subset=["sample_drift"]).sort_values("sample_drift")
+    colours = {"low": "tab:green", "mid": "tab:orange", "high": "tab:red"}
+    ax1.scatter(range(len(per)), per["sample_drift"], c=[colours.get(t, "grey") for t in per["drift_tercile"]], s=12)
+    ax1.set(xlabel="sample (sorted)", ylabel="mean drift", title="drift per sample, by tercile")
+    if layers:
+        idx = [i for i in range(len(layers)) if treated[i]]
+        x = range(len(idx))
+        ax2.bar([i - 0.2 for i in x], [layers[i]["on_image"] for i in idx], 0.4, label="image share")
+        ax2.bar([i + 0.2 for i in x], [layers[i]["top"] for i in idx], 0.4, label="top-S share of prefix")
+        ax2.set_xticks(list(x), [str(i) for i in idx])
+        ax2.set(xlabel="re-selected layer", ylim=(0, 1), title="attention per layer")
+        ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def log_run(cfg: JobConfig, figs: list[premises.Figure], files: list[Path], n_samples: int) -> str:
+    """One MLflow run: the config as params, the figures as metrics, the tables and plot as artifacts."""
+    uri = tracking.resolve_tracking_uri(cfg.mlflow_uri)
+    client = tracking._client(uri)
+    exp_id = tracking._experiment_id(client, cfg.experiment, uri)
+    run = client.create_run(exp_id, run_name=cfg.job_name, tags={tracking.TAG_ROLE: "diagnose"})
+    rid = run.info.run_id
+    params = {"model": cfg.model, "task": cfg.task, "n_samples": n_samples, "config_hash": cfg.config_hash,
+              "output_dir": cfg.output_dir, "methods": ",".join(cfg.methods)}
+    for k, v in params.items():
+        client.log_param(rid, k, str(v)[:6000])
+    for k, v in premises.finite_metrics(figs).items():
+        client.log_metric(rid, k, v)
+    for f in files:
+        client.log_artifact(rid, str(f), "diagnose")
+    client.set_terminated(rid)
+    return rid
+
+
+def run(cfg: JobConfig, probe_samples: int) -> int:
+    result = driver.run(cfg)
+    if result["status"] != "ok":
+        return 1
+    store = OutputStore(cfg.output_dir)
+    df = store.read().to_pandas()
+    df = df[(df["config_hash"] == cfg.config_hash) & df["method"].isin(cfg.methods)]
+    a = analyze(df, baselines=(BACON, PREFILL_ORACLE))
+    layers = heads = treated = None
+    if probe_samples:
+        driver.say(f"probes: answering {probe_samples} sample(s) again with eager attention")
+        layers, heads, treated = probes(cfg, probe_samples)
+    figs = premises.figures(a, layers, heads, treated)
+    n = int(df["sample_id"].nunique())
+    print(f"\npremise check: {cfg.model}, {cfg.task}, {n} samples ({probe_samples} for the per-layer probes)")
+    print(premises.table(figs), flush=True)
+    out = Path(cfg.output_dir) / "_diagnose"  # '_': pd.read_parquet(output_dir) skips it
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "figures.parquet"]
+    premises.frame(figs).to_parquet(files[0])
+    if layers is not None:
+        lf, hf = layer_frames(layers, heads, treated)
+        files += [out / "layers.parquet", out / "heads.parquet"]
+        lf.to_parquet(files[1])
+        hf.to_parquet(files[2])
+    files.append(plot(a, layers, treated, out / "premises.png"))
+    driver.say(f"premise tables and plot: {out}")
+    try:
+        rid = log_run(cfg, figs, files, n)
+        driver.say(f"MLflow run {rid}: {cfg.mlflow_uri}")
+    except Exception as e:  # noqa: BLE001 - the figures are printed and written; MLflow is a convenience
+        driver.say(f"MLflow logging failed ({type(e).__name__}: {str(e)[:300]}); the tables are in {out}")
+        return driver.MLFLOW_FAILED_EXIT
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, probe_samples = job_config(argv)
+        return run(cfg, probe_samples)
+    except ConfigError as e:
+        print(f"[rcr-job] {e}", file=sys.stderr, flush=True)
+        return 2

@@ -312,7 +312,7 @@ class _AnswerAttentionRecorder:
         probs = torch.softmax((lg * scaling).masked_fill(~mask, float("-inf")), dim=-1)[..., : p.n_prefix]
         w = self.answer_valid.float()[:, None, :, None]  # (B, 1, T, 1)
         per_q = (probs * w).sum(2) / w.sum(2).clamp_min(1.0)  # (B, Hq, Np): mean over answer positions
-        self.scores[layer] = per_q.view(B, p.n_kv_heads, -1, p.n_prefix).mean(2)  # GQA mean
+        self.scores[layer] = per_q.view(B, p.n_kv_heads, Hq // p.n_kv_heads, p.n_prefix).mean(2)  # GQA mean
         return attend(query, keys, res.resident_values, valid, scaling, causal_tail=T,
                       sliding_window=p.layers[layer].sliding_window), None
 

@@ -119,8 +119,12 @@ def profile(model, answers: list[Answer], selected: int, per_head: bool = False)
             per_layer.append(r)
         rows.append(per_layer)
 
-    def mean(dicts: list[dict]) -> dict:
-        return {k: float(np.nanmean([d[k] for d in dicts])) for k in dicts[0] if k != "heads"}
+    def mean(dicts: list[dict]) -> dict:  # over samples, NaN where no sample has the figure (flat, cell)
+        out = {}
+        for k in (k for k in dicts[0] if k != "heads"):
+            v = np.array([d[k] for d in dicts], dtype=float)
+            out[k] = float(v[np.isfinite(v)].mean()) if np.isfinite(v).any() else float("nan")
+        return out
 
     out = []
     for layer in range(len(rows[0])):

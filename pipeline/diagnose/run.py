@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 
 from pipeline.analysis import tracking
 from pipeline.analysis.analyze import analyze
@@ -78,18 +79,19 @@ def _without(argv: list[str], flag: str) -> list[str]:
 
 def probes(cfg: JobConfig, n: int):
     """(attention profile per layer, detector figures per layer and KV head, re-selected layers) on the first
-    ``n`` samples of the job's input, answered on this process's device."""
+    ``n`` samples of the job's input, answered on this process's device; (None, None, None) where no sample can be
+    probed."""
     import torch
 
     from pipeline.data.images import load_sample_images
     from pipeline.diagnose import attention, detector
-    from pipeline.run.store import read_rows
     from rcr import RCRConfig
     from rcr.models import geometry, load
 
     _, rows, _ = driver.scan_inputs(cfg)
     samples = []
-    for row in read_rows(rows[:n]).values():
+    for r in rows[:n]:  # the job's first samples, in shard order
+        row = pq.read_table(r.file, columns=["prompt", "images"]).slice(r.row, 1).to_pylist()[0]
         images = load_sample_images(row["images"], cfg.task, cfg.max_frames, cfg.max_image_bytes,
                                     cfg.max_image_pixels)
         samples.append((row["prompt"], images, cfg.task == "video"))
@@ -97,7 +99,13 @@ def probes(cfg: JobConfig, n: int):
     model, processor = load(cfg.model_path(), device=device, trust_remote_code=cfg.trust_remote_code)
     model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path
     rcfg = RCRConfig(**cfg.rcr)
-    answers = attention.greedy_answers(model, processor, samples, cfg.max_new_tokens)
+    # dwell needs two answer steps, the detector a prefix region (a prompt longer than the window)
+    answers = [a for a in attention.greedy_answers(model, processor, samples, cfg.max_new_tokens)
+               if a.answer.shape[1] >= 2 and a.inputs["input_ids"].shape[1] > rcfg.window]
+    if not answers:
+        driver.say(f"probes: no sample has an answer of 2 tokens or more and a prompt longer than the window "
+                   f"({rcfg.window}); the per-layer figures are left out")
+        return None, None, None
     layers = attention.profile(model, answers, rcfg.selected)
     return layers, detector.probe(model, answers, rcfg), geometry(model).treated
 

@@ -1,0 +1,131 @@
+"""The premise check (pipeline/diagnose, jobs/diagnose.py): its figures are the pipeline's statistics of the rows,
+its config adds what the figures need to the user's flags, and it runs on a tiny model of every supported family
+(the driver in this process: tests/inline_driver.py)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.analysis.analyze import analyze
+from pipeline.diagnose import premises
+from pipeline.diagnose.run import DEFAULT_LIMIT, METHODS, job_config
+from pipeline.run.config import ConfigError
+from tests import inline_driver, tiny_models
+from tests.conftest import FAMILIES
+from tests.fake_output import make_output_frame
+from tests.pipeline_helpers import write_shard
+
+
+@pytest.fixture(scope="module")
+def fake():
+    df = make_output_frame(n_samples=30, methods=METHODS, seed=3)
+    return df, analyze(df, bootstrap_resamples=2000, baselines=("bacon", "prefill_oracle"))
+
+
+def test_the_figures_are_the_rows_statistics(fake):
+    """exact - bacon is the mean paired difference of the samples' fidelities, inside its CI; the dwell is the
+    analysis' stability; fixed's refresh per drift tercile is the mean over that third of the samples, ranked by
+    their fixed rows' mean drift."""
+    df, a = fake
+    f = premises.by_key(premises.figures(a, None, None, None))
+    fid = a.per_sample.pivot(index="sample_id", columns="method", values="fidelity")
+    d = f["exact_minus_bacon"]
+    assert d.metric == pytest.approx((fid["exact"] - fid["bacon"]).mean()) and d.ci_low < d.metric < d.ci_high
+    assert f["fidelity_prefill_oracle"].metric == pytest.approx(fid["prefill_oracle"].mean())
+    assert f["dwell"].metric == pytest.approx(float(a.stability["fraction_unchanged"].iloc[0]))
+    fixed = df[df.method == "fixed"].set_index("sample_id")
+    order = fixed["mean_drift"].rank(method="first").sort_values().index
+    third = len(order) // 3
+    low = fixed.loc[order[:third], "refresh_fraction"].mean()
+    high = fixed.loc[order[-third:], "refresh_fraction"].mean()
+    assert f["fixed_refresh_low"].metric == pytest.approx(low)
+    assert f["fixed_refresh_high_minus_low"].metric == pytest.approx(high - low)
+    per = fixed["mean_drift"]
+    assert f["drift_cv"].metric == pytest.approx(per.std(ddof=0) / per.mean())
+    text = premises.table(premises.figures(a, None, None, None))
+    assert text.splitlines()[0].startswith("premise") and "paper 41% (Qwen2-VL) - 80% (LLaVA-NeXT)" in text
+
+
+def test_per_layer_figures_leave_out_layers_that_are_never_reselected():
+    """Per re-selected layer: the detector's recall of each KV head, the head whose candidates catch its top entry
+    least, and the image share; a sliding-window layer gets none."""
+    layers = [{"on_image": 0.9, "top": 0.5}, {"on_image": 0.3, "top": 0.6}]
+    heads = [[{"recall": 1.0, "top": 0, "mass": 0.1, "in_basis": 1.0, "cand": 1.0}] * 2,
+             [{"recall": 0.9, "top": 1, "mass": 0.7, "in_basis": 0.9, "cand": 1.0},
+              {"recall": 0.8, "top": 1, "mass": 0.6, "in_basis": 0.05, "cand": 0.4}]]
+    f = premises.by_key(premises.layer_figures(layers, heads, (False, True)))
+    assert set(f) == {"detector_recall_min_layer1", "top_entry_candidate_layer1", "image_share_layer1"}
+    assert f["detector_recall_min_layer1"].value == "0.90 0.80" and f["detector_recall_min_layer1"].metric == 0.8
+    assert f["top_entry_candidate_layer1"].metric == 0.4 and "in basis 0.05" in f["top_entry_candidate_layer1"].value
+
+
+def test_the_config_adds_what_the_figures_need_to_the_users_flags(tmp_path):
+    out = str(tmp_path / "o")
+    cfg, probes = job_config(["--output-dir", out])
+    assert cfg.methods == list(METHODS) and cfg.limit == DEFAULT_LIMIT and probes == 3
+    assert cfg.rcr["exact_drift"] and cfg.rcr["record_attention"] and not cfg.summary
+    assert cfg.job_name == "diagnose-detailcaps-embedded" and cfg.output_dir == out
+    cfg, probes = job_config(["--methods", "rcr,bacon", "--limit", "5", "--probe-samples", "0", "--output-dir", out])
+    assert cfg.methods == [*METHODS, "rcr"] and cfg.limit == 5 and probes == 0
+    with pytest.raises(ConfigError, match="probe_samples"):
+        job_config(["--probe-samples", "-1"])
+    with pytest.raises(ConfigError, match="field 'methods'"):
+        job_config(["--methods", "nonsense"])
+
+
+def family_dir(root, name: str):
+    model, proc = tiny_models.FAMILIES[name]()
+    d = root / name
+    model.save_pretrained(d)
+    proc.save_pretrained(d)
+    return d
+
+
+def records(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        buf = io.BytesIO()
+        tiny_models.random_image(i, 112).save(buf, format="PNG")
+        out.append(dict(sample_id=f"s{i}", task="detailcaps", prompt=tiny_models.random_prompt(i, 6),
+                        images=[buf.getvalue()], references=[], source="test"))
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_it_runs_on_a_tiny_model_of_every_family(name, tmp_path, monkeypatch, capsys):
+    """One table, the per-layer figures of every re-selected layer (none of a sliding-window one), the Parquet
+    tables under <output dir>/_diagnose, and one MLflow run with the figures as metrics."""
+    from mlflow import MlflowClient
+
+    from pipeline.diagnose.run import run
+    from rcr.models import geometry
+
+    inline_driver.install(monkeypatch.setattr)
+    shard = write_shard(tmp_path / "shards" / "part-0.parquet", records(4))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg, _ = job_config(["--model", str(family_dir(tmp_path, name)), "--shards", str(shard), "--max-new-tokens", "8",
+                         "--output-dir", str(tmp_path / "out"), "--mlflow-uri", uri, "--device", "cpu",
+                         "--rcr", "window=8", "--rcr", "selected=4", "--rcr", "candidates=8"])  # a tiny prompt
+    assert run(cfg, probe_samples=2) == 0
+    out = capsys.readouterr().out
+    assert "premise check:" in out and "exact - bacon (fidelity)" in out
+    figs = pd.read_parquet(tmp_path / "out" / "_diagnose" / "figures.parquet")
+    model = tiny_models.FAMILIES[name]()[0]
+    treated = geometry(model).treated
+    layers = pq.read_table(tmp_path / "out" / "_diagnose" / "layers.parquet").to_pandas()
+    heads = pd.read_parquet(tmp_path / "out" / "_diagnose" / "heads.parquet")
+    assert list(layers["reselected"]) == list(treated)
+    assert len(heads) == len(treated) * geometry(model).n_kv_heads and heads["recall"].between(0, 1 + 1e-6).all()
+    per_layer = {k for k in figs["key"].dropna() if k.startswith("image_share_layer")}
+    assert per_layer == {f"image_share_layer{i}" for i, t in enumerate(treated) if t}
+    assert len(pd.read_parquet(tmp_path / "out")) == 4 * len(METHODS)  # the rows; _diagnose is skipped
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name(cfg.experiment).experiment_id])
+    assert len(runs) == 1 and runs[0].info.run_name == cfg.job_name
+    metrics = runs[0].data.metrics
+    assert np.isfinite(metrics["exact_minus_bacon"]) and any(k.startswith("image_share_layer") for k in metrics)

@@ -78,10 +78,10 @@ def compare(model: str, wide: dict[str, pd.DataFrame], fixed_tau: float | None, 
     cands = candidates(list(fid.columns), fixed_tau)
     row: dict[str, Any] = {"model": model, "split": SPLIT_RULE, "selection": SELECTION_RULE,
                            "candidates": ",".join(m for m, _ in cands)}
-    if RCR not in fid.columns:
-        return [], {**row, "status": "skipped", "note": "no rcr rows: nothing to compare with fixed"}
     if not cands:
         return [], {**row, "status": "skipped", "note": NO_SWEEP}
+    if RCR not in fid.columns:
+        return [], {**row, "status": "skipped", "note": "no rcr rows: nothing to compare the fixed threshold with"}
     dev = dev_half(fid.index)
     labels = [m for m, _ in cands]
     dev_mean = fid.loc[dev, labels].mean()  # NaN-skipping: over each candidate's own dev samples

@@ -432,6 +432,9 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
         "fidelity_metric": FIDELITY_DESC, "reference_rougeL": REF_ROUGE_DESC, "cider": a.meta.get("cider"),
         "bootstrap": a.meta.get("bootstrap"), "bootstrap_resamples": a.meta.get("bootstrap_resamples"),
         "bootstrap_seed": a.meta.get("seed"), "drift_source": a.meta.get("drift_source"),
+        # what the infinigen rows were calibrated on (pipeline/run/calibration.py); None (not logged) without them
+        "infinigen_calibration": joined_unique(df, Col.CALIBRATION),
+        "infinigen_calibration_sha256": joined_unique(df, Col.CALIBRATION_SHA256),
     })
     _log_params(client, pid, params)
     try:

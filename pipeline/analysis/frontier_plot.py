@@ -188,7 +188,8 @@ def plot_frontier(analysis: Analysis, path: Path, save) -> Path | None:
             to_place.append((axis, labels, points))
         ax.set_xlim(-0.05, 1.05)
         ax_r.set_xscale("symlog", linthresh=1.0)
-        ax_r.set_xlim(left=-0.5)  # reads are >= 0; static methods sit at 0
+        reads_max = g.reads_per_step.max() if g.reads_per_step.notna().any() else 1.0
+        ax_r.set_xlim(-0.5, 1.6 * reads_max + 1.0)  # reads are >= 0 (static methods sit at 0); room at the right
         ax.set_title(f"{model or 'model'}: cost / quality frontier (refresh fraction)")
         ax_r.set_title(f"{model or 'model'}: cost / quality frontier (reads per step)")
     fig.subplots_adjust(hspace=0.45, wspace=0.22)

@@ -120,3 +120,25 @@ def test_a_given_directory_is_used_as_is(tmp_path, shard):
     spec = resolve_calibration(cfg, inputs)
     assert (spec.kind, spec.source, spec.sha256) == ("dir", "my set", calibration_digest(str(tmp_path / "cal")))
     assert spec.actor_payload() is None
+
+
+def test_through_the_driver_the_rows_and_the_run_record_carry_the_calibration(tmp_path, shard):
+    """The driver resolves the calibration, hands it to the actors, and the rows and the run record say which."""
+    import pandas as pd
+
+    from tests.fault_helpers import run_inline
+
+    out = tmp_path / "out"
+    rep = run_inline(["--model", str(tiny_qwen2_vl_dir(tmp_path)), "--shards", str(shard[0]), "--limit", "2",
+                      "--methods", "bacon,infinigen", "--max-new-tokens", "3", "--output-dir", str(out),
+                      "--no-summary", "--rcr", "selected=8", "--rcr", "window=8", "--rcr", "candidates=16"])
+    assert rep["status"] == "ok"
+    df = pd.read_parquet(out)
+    inf = df[df.method == "infinigen"]
+    assert len(inf) == 2 and inf.error.isna().all()
+    assert inf.calibration.str.startswith(f"heldout: {C.N_HELDOUT} input rows after the 2 evaluated").all()
+    assert inf.calibration_sha256.str.fullmatch(r"[0-9a-f]{16}").all() and inf.calibration_sha256.nunique() == 1
+    (record,) = [json.loads(p.read_text()) for p in (out / "_runs").glob("*.json")]
+    extra = record["config"]["rcr"]["extra"]["infinigen_calibration"]
+    assert extra["kind"] == "heldout" and extra["source"] == inf.calibration.iloc[0]
+    assert record["config_hash"] == df.config_hash.iloc[0]

@@ -166,6 +166,10 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("trigger", pa.list_(pa.list_(pa.bool_()))),  # null for a layer never re-selected (sliding window)
     pa.field("tau", _F32_LL),
     pa.field("top_prefix_pos", pa.list_(pa.list_(pa.int32()))),  # on `full` rows when recorded
+    # what an `infinigen` row's skew and partial columns were calibrated on, and the calibration file's sha256
+    # (GenerationResult.cost; null on other methods' rows, and the sha256 on per-sample rows)
+    pa.field("calibration", pa.string()),
+    pa.field("calibration_sha256", pa.string()),
     # timings (of the model call that produced the row; shared by the samples of one batch)
     pa.field("prefill_s", pa.float64()),
     pa.field("decode_s", pa.float64()),
@@ -254,6 +258,7 @@ def output_row(job: JobStamp, sample: dict, method: str, result: Any, b: int, te
     s = result.sample(b)
     decode_s = float(result.decode_s)
     n_tokens = int(np.asarray(result.lengths).sum())  # the whole batch's, for tokens_per_s
+    cost = getattr(result, "cost", None) or {}  # the method's cost model (rcr.GenerationResult.cost)
     return {
         **_identity(job, sample, method, None),
         "output_text": text,
@@ -267,6 +272,8 @@ def output_row(job: JobStamp, sample: dict, method: str, result: Any, b: int, te
         "trigger": _trigger_lists(s["trigger"]),
         "tau": _lists(s["tau"], np.float32),
         "top_prefix_pos": _lists(s.get("top_prefix_pos"), np.int32),
+        "calibration": cost.get("calibration"),
+        "calibration_sha256": cost.get("calibration_sha256"),
         "prefill_s": float(result.prefill_s),
         "decode_s": decode_s,
         "tokens_per_s": n_tokens / decode_s if decode_s else None,

@@ -144,9 +144,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--images {args.images}: no image files")
         images = [Image.open(os.path.join(args.images, f)).convert("RGB") for f in files]
         source = {"images": os.path.abspath(args.images), "files": files}
+        description = f"{len(files)} images of {os.path.basename(os.path.abspath(args.images))}"
     else:
         images = [synthetic_scene(args.seed + i, args.image_size) for i in range(args.n)]
         source = {"synthetic_scenes": {"n": args.n, "seed": args.seed, "size": args.image_size}}
+        description = f"{args.n} synthetic scenes of rcr.calibrate_infinigen (seed {args.seed}, {args.image_size} px)"
     inputs_list = [build_inputs(processor, [args.prompt], [[img]]) for img in images]
     skews, cols, stats = calibrate(model, inputs_list, args.partial_ratio)
     import transformers
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "prompt": args.prompt,
         "source": source,
+        "description": f"offline: {description}",
         "partial_ratio": args.partial_ratio,
         "dtype": str(next(model.parameters()).dtype),
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

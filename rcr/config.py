@@ -64,8 +64,10 @@ class RCRConfig:
     # --- InfiniGen (docs/algorithms.md, "infinigen") ---
     # partial columns per KV head = round(ratio * d), so the GPU holds Np * ratio key equivalents (paper: Np/4)
     infinigen_partial_ratio: float = 0.25
-    # directory written by `python -m rcr.calibrate_infinigen` (skew matrices + partial columns per layer and
-    # KV head, with the command that made them); None = calibrate per sample from its own prefill.
+    # where the skew matrices and partial columns come from: a directory written by `python -m
+    # rcr.calibrate_infinigen` (or shipped with the model), calibrated offline as InfiniGen's authors do; or
+    # "per_sample", each sample's own prefill (an advantage the method does not have: an ablation). None, the
+    # library default, is "per_sample"; a pipeline job resolves None to an offline calibration (docs/pipeline.md).
     infinigen_calibration: str | None = None
     # layer 0 has no previous layer to speculate from: "exact_query" (default) = score with the current
     # query through the same skewed partial columns; "static" = keep the initial (BACON) selection.
@@ -128,7 +130,7 @@ class RCRConfig:
              "infinigen_partial_ratio", "must be in (0, 1]")
         need(self.infinigen_calibration is None or (isinstance(self.infinigen_calibration, str)
                                                    and self.infinigen_calibration != ""),
-             "infinigen_calibration", "must be None or a directory path")
+             "infinigen_calibration", "must be None, 'per_sample' or a directory path")
         need(self.infinigen_layer0 in ("exact_query", "static"), "infinigen_layer0",
              "must be 'exact_query' or 'static'")
         need(isinstance(self.offload, bool), "offload", "must be a bool")

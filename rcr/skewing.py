@@ -7,11 +7,13 @@ that command's module so that ``import rcr`` does not import the command (``pyth
 run it twice).
 
 A calibration directory holds ``infinigen.safetensors`` (per layer l: ``skew.l`` (Hkv, d, d) fp32 and
-``cols.l`` (Hkv, c) long) and ``calibration.json`` (how it was made).
+``cols.l`` (Hkv, c) long) and ``calibration.json`` (how it was made; its ``description`` is what a decode
+reports as ``GenerationResult.cost["calibration"]``, with the tensor file's sha256).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -22,6 +24,7 @@ from .fileio import atomic_path
 
 CALIBRATION_TENSORS = "infinigen.safetensors"
 CALIBRATION_META = "calibration.json"
+PER_SAMPLE = "per_sample"  # RCRConfig.infinigen_calibration: each sample calibrated from its own prefill
 ORTHO_TOL = 1e-4
 
 
@@ -77,15 +80,33 @@ def save_calibration(out_dir: str, skews: list[torch.Tensor], cols: list[torch.T
         json.dump(meta, fh, indent=2, sort_keys=True)
 
 
-def load_calibration(path: str) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
-    """(skews, cols, meta) from a directory written by ``save_calibration``; checks orthogonality."""
-    from safetensors.torch import load_file
-
+def _tensor_file(path: str) -> str:
     f = os.path.join(path, CALIBRATION_TENSORS)
     if not os.path.isfile(f):
         raise ConfigError(f"RCRConfig.infinigen_calibration={path!r}: no {CALIBRATION_TENSORS} there; "
                           "write one with `python -m rcr.calibrate_infinigen --model PATH --out DIR`")
-    t = load_file(f)
+    return f
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def calibration_digest(path: str) -> str:
+    """sha256 (first 16 hex digits) of a calibration directory's tensor file: what the output rows record."""
+    with open(_tensor_file(path), "rb") as fh:
+        return _digest(fh.read())
+
+
+def load_calibration(path: str) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """(skews, cols, meta) from a directory written by ``save_calibration``; checks orthogonality. ``meta`` is
+    its ``calibration.json`` plus ``sha256``, the digest of the tensor file (:func:`calibration_digest`)."""
+    from safetensors.torch import load
+
+    f = _tensor_file(path)
+    with open(f, "rb") as fh:
+        data = fh.read()
+    t = load(data)  # safetensors: tensors only, nothing executable
     n = len([k for k in t if k.startswith("skew.")])
     skews = [t[f"skew.{i}"] for i in range(n)]
     cols = [t[f"cols.{i}"] for i in range(n)]
@@ -96,4 +117,5 @@ def load_calibration(path: str) -> tuple[list[torch.Tensor], list[torch.Tensor],
     if os.path.isfile(meta_f):
         with open(meta_f) as fh:
             meta = json.load(fh)
+    meta["sha256"] = _digest(data)
     return skews, cols, meta

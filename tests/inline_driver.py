@@ -33,14 +33,15 @@ class _NoRay:
 class InlineDataset:
     """What the driver reads from Ray Data's dataset (``iter_batches``), computed in this process."""
 
-    def __init__(self, cfg, paths, plan, res):
+    def __init__(self, cfg, paths, plan, res, calibration_payload=None):
         self.cfg, self.paths, self.plan, self.res = cfg, paths, plan, res
+        self.calibration_payload = calibration_payload  # InfiniGen's, as the driver resolved it
 
     def iter_batches(self, batch_size=None, batch_format="pyarrow", prefetch_batches=1):
         """Each batch is yielded as soon as it is computed, which is what ``prefetch_batches=0`` gives."""
         actor_cfg = self.cfg.to_dict()
         actor_cfg["torch_threads"] = self.res["torch_threads"]
-        ev = SampleEvaluator(actor_cfg, config_hash=self.cfg.config_hash)
+        ev = SampleEvaluator(actor_cfg, config_hash=self.cfg.config_hash, calibration=self.calibration_payload)
         bs = self.cfg.batch_size
         for path in self.paths:
             table = driver._select(pq.read_table(path, columns=list(INPUT_SCHEMA.names)), self.plan.todo,
@@ -53,7 +54,8 @@ def install(patch=None) -> None:
     """Replace the driver's two Ray calls (``patch`` is pytest's ``monkeypatch.setattr``, else plain setattr)."""
     set_ = patch or setattr
     set_(driver, "_ray_init", lambda cfg: _NoRay)
-    set_(driver, "_build_dataset", lambda ray, cfg, paths, plan, res: InlineDataset(cfg, paths, plan, res))
+    set_(driver, "_build_dataset", lambda ray, cfg, paths, plan, res, calibration_payload=None:
+         InlineDataset(cfg, paths, plan, res, calibration_payload))
 
 
 def _hang_at_part(k: int, signal_path: str) -> None:

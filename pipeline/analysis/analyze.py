@@ -45,6 +45,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as _scistats
 
+from pipeline.analysis import fixed_tuning
 from pipeline.analysis.bootstrap import bootstrap_means, paired_bootstrap
 from pipeline.analysis.labels import BASELINES, EXACT, FIXED, FULL, RCR, TERCILE_METHODS, order_methods, parse_sweep_tau
 from pipeline.analysis.telemetry import as_2d, model_series, numeric, top_position_stability
@@ -77,6 +78,12 @@ class Analysis:
     * ``stability``: per model, fraction of adjacent steps with unchanged most-attended prefix position.
     * ``frontier``: per (model, method) fidelity (+CI) against realised refresh fraction, with
       ``kind`` in {"sweep", "rcr", "method"}.
+    * ``fixed_comparison``: per model, ``rcr`` against the fixed threshold as the paper compares them
+      (``fixed_tuning.py``): τ* chosen on the development half, ``rcr − fixed(τ*)`` on the test half, and
+      ``rcr −`` the fixed-τ frontier at rcr's refresh fraction, with CIs; ``status`` "skipped" and a
+      ``note`` when the job has no ``fixed@τ`` sweep (or no ``rcr``).
+    * ``fixed_tuning``: per (model, fixed-threshold candidate): τ, mean fidelity on each half, refresh,
+      and whether it was chosen as τ*.
     * ``errors``: the rows with an error (model, sample_id, method, error).
     * ``meta``: what was used (packages, tokenizer, multi-reference rule, bootstrap settings, drift source).
     """
@@ -89,6 +96,8 @@ class Analysis:
     frontier: pd.DataFrame
     errors: pd.DataFrame
     meta: dict[str, Any]
+    fixed_comparison: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
+    fixed_tuning: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
 
     def tables(self) -> dict[str, pd.DataFrame]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -315,14 +324,19 @@ def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, 
     n_err = errors.groupby([Col.MODEL, Col.METHOD]).size() if len(errors) else pd.Series(dtype=int)
     models = sorted(set(ps.model) | set(errors[Col.MODEL] if len(errors) else []))
     ps["drift_tercile"] = pd.Series(pd.NA, index=ps.index, dtype="object")
-    method_rows, terc_rows, corr_rows = [], [], []
+    method_rows, terc_rows, corr_rows, tune_rows, cmp_rows = [], [], [], [], []
     for model in models:
         pm = ps[ps.model == model]
         methods = order_methods(set(pm.method) | set(errors.loc[errors[Col.MODEL] == model, Col.METHOD]
                                                      if len(errors) else []))
         samples = sorted(set(pm.sample_id))
         wide = _wide(pm, samples, methods)
-        method_rows += _method_rows(model, pm, d, methods, wide, n_err, st)
+        rows = _method_rows(model, pm, d, methods, wide, n_err, st)
+        method_rows += rows
+        fixed_tau = next((r["sweep_tau"] for r in rows if r["method"] == FIXED), None)
+        rows, comparison = fixed_tuning.compare(model, wide, fixed_tau, st)
+        tune_rows += rows
+        cmp_rows.append(comparison)
         rows, terciles = _tercile_rows(model, pm, wide, st)
         terc_rows += rows
         if terciles is not None:
@@ -332,7 +346,9 @@ def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, 
     meta = _meta(st, cider_ok, drift_src, n_rows=len(df), errors=errors, n_dups=n_dups, ps=ps, models=models)
     return Analysis(per_sample=ps, methods=methods_df, terciles=pd.DataFrame(terc_rows, columns=TERCILE_COLUMNS),
                     correlations=pd.DataFrame(corr_rows, columns=CORRELATION_COLUMNS),
-                    stability=top_position_stability(df), frontier=_frontier(methods_df), errors=errors, meta=meta)
+                    stability=top_position_stability(df), frontier=_frontier(methods_df), errors=errors, meta=meta,
+                    fixed_comparison=pd.DataFrame(cmp_rows),
+                    fixed_tuning=pd.DataFrame(tune_rows, columns=fixed_tuning.CANDIDATE_COLUMNS))
 
 
 def _meta(st: _Settings, cider_ok: bool | None, drift_src: str | None, *, n_rows: int, errors: pd.DataFrame,
@@ -348,6 +364,7 @@ def _meta(st: _Settings, cider_ok: bool | None, drift_src: str | None, *, n_rows
         "bootstrap_resamples": st.resamples, "seed": st.seed, "confidence": st.confidence,
         "drift_source": drift_src,
         "tercile_rule": "pd.qcut on the rank of the per-sample mean drift (3 equal-count bins)",
+        "fixed_tuning": f"{fixed_tuning.SPLIT_RULE}; {fixed_tuning.SELECTION_RULE}; rcr - fixed(tau*) on the test half",
         "n_rows": int(n_rows), "n_error_rows": int(len(errors)), "n_duplicate_rows_dropped": n_dups,
         "n_samples": int(ps[["model", "sample_id"]].drop_duplicates().shape[0]),
         "n_samples_without_full": int(ps[ps.fidelity.isna()][["model", "sample_id"]].drop_duplicates().shape[0]),

@@ -12,13 +12,51 @@ import pandas as pd
 from pipeline.analysis.labels import BASELINES
 
 
+def resample_means(values: np.ndarray, valid: np.ndarray | None = None, n_resamples: int = 10_000,
+                   seed: int | np.random.Generator = 0, max_chunk_elems: int = 4_000_000) -> np.ndarray:
+    """The column means of ``values`` ([n_samples, k]) in each of ``n_resamples`` resamples of the samples:
+    an [n_resamples, k] matrix. One seeded set of resampled sample indices serves every column (the set
+    :func:`bootstrap_means` uses for the same seed and n), so a statistic computed from several columns of
+    one resample is paired. A resample's mean of a column is over its valid resampled entries (``valid``
+    [n, k] bool; default: the finite entries); NaN where a resample holds none."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim == 1:
+        x = x[:, None]
+    n, k = x.shape
+    m = np.isfinite(x) if valid is None else (np.asarray(valid, dtype=bool).reshape(n, k) & np.isfinite(x))
+    xm = np.where(m, x, 0.0)
+    mf = m.astype(np.float64)
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    stats = np.empty((n_resamples, k))
+    chunk = max(1, min(n_resamples, max_chunk_elems // max(n, 1)))
+    done = 0
+    while done < n_resamples:
+        b = min(chunk, n_resamples - done)
+        idx = rng.integers(0, n, size=(b, n))
+        flat = (idx + (np.arange(b)[:, None] * n)).ravel()
+        w = np.bincount(flat, minlength=b * n).reshape(b, n).astype(np.float64)  # (b, n) resample counts
+        with np.errstate(invalid="ignore", divide="ignore"):
+            stats[done:done + b] = (w @ xm) / (w @ mf)
+        done += b
+    return stats
+
+
+def percentile_ci(stats: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) percentile bounds over the resamples (axis 0) of ``stats``, ignoring NaN resamples."""
+    alpha = (1.0 - confidence) / 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
+        q = np.nanpercentile(stats, [100 * alpha, 100 * (1 - alpha)], axis=0)
+    return q[0], q[1]
+
+
 def bootstrap_means(values: np.ndarray, valid: np.ndarray | None = None, n_resamples: int = 10_000,
                     seed: int | np.random.Generator = 0, confidence: float = 0.95,
                     max_chunk_elems: int = 4_000_000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Percentile bootstrap CIs of the column means of ``values`` ([n_samples, k]), all columns paired.
 
-    One set of resampled sample indices (seeded) is shared by all k columns, so a column holding a
-    per-sample difference ``a - b`` gives the paired-bootstrap CI of ``mean(a) - mean(b)``.
+    One set of resampled sample indices (seeded, :func:`resample_means`) is shared by all k columns, so a
+    column holding a per-sample difference ``a - b`` gives the paired-bootstrap CI of ``mean(a) - mean(b)``.
     ``valid`` ([n, k] bool) marks usable entries; a resample's mean of a column is over its valid
     resampled entries (for complete data this is the ordinary bootstrap). Returns ``(mean, low, high)``
     arrays of length k. Columns whose valid values are all equal (to 1e-12 relative) get
@@ -30,32 +68,12 @@ def bootstrap_means(values: np.ndarray, valid: np.ndarray | None = None, n_resam
         x = x[:, None]
     n, k = x.shape
     m = np.isfinite(x) if valid is None else (np.asarray(valid, dtype=bool).reshape(n, k) & np.isfinite(x))
-    xm = np.where(m, x, 0.0)
-    mf = m.astype(np.float64)
-    cnt = mf.sum(0)
     with np.errstate(invalid="ignore", divide="ignore"):
-        mean = xm.sum(0) / cnt
-    low = np.full(k, np.nan)
-    high = np.full(k, np.nan)
+        mean = np.where(m, x, 0.0).sum(0) / m.sum(0)
     if n == 0:
-        return mean, low, high
-    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    stats = np.empty((n_resamples, k))
-    chunk = max(1, min(n_resamples, max_chunk_elems // max(n, 1)))
-    done = 0
-    while done < n_resamples:
-        b = min(chunk, n_resamples - done)
-        idx = rng.integers(0, n, size=(b, n))
-        flat = (idx + (np.arange(b)[:, None] * n)).ravel()
-        w = np.bincount(flat, minlength=b * n).reshape(b, n).astype(np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            stats[done:done + b] = (w @ xm) / (w @ mf)
-        done += b
-    alpha = (1.0 - confidence) / 2.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
-        q = np.nanpercentile(stats, [100 * alpha, 100 * (1 - alpha)], axis=0)
-    low, high = q[0], q[1]
+        return mean, np.full(k, np.nan), np.full(k, np.nan)
+    stats = resample_means(x, m, n_resamples, seed, max_chunk_elems)
+    low, high = percentile_ci(stats, confidence)
     # zero variance: every resample mean is the same number -> report it exactly, never NaN
     for j in range(k):
         v = x[m[:, j], j]

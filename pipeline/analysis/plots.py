@@ -6,8 +6,9 @@
 * ``tau_refresh.png``: tau and the refresh fraction over decode steps for a few ``rcr`` samples;
 * ``drift_heatmap.png``: mean drift per layer x step (``rcr`` rows, else any drift-detector method);
 * ``frontier.png``: fidelity against realised refresh fraction (left) and against prefix reads per decode
-  step (right) across methods, the tau sweep and ``rcr``; ``full`` reads the whole prefix at every step, so
-  it is drawn as the reference line, not as a point at refresh fraction 0;
+  step (right) across methods, the fixed-τ sweep as one line and ``rcr`` with the sweep's frontier at its
+  refresh fraction; ``full`` reads the whole prefix at every step, so it is drawn as the reference line, not
+  as a point at refresh fraction 0 (``frontier_plot.py``);
 * ``fidelity_vs_length.png``: per-sample fidelity against the uncompressed output length, per method.
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ import matplotlib
 import numpy as np
 import pandas as pd
 
+from pipeline.analysis import frontier_plot
 from pipeline.analysis.analyze import Analysis
-from pipeline.analysis.labels import FIXED, RCR, order_methods, parse_sweep_tau
+from pipeline.analysis.labels import FIXED, RCR, order_methods
 from pipeline.analysis.telemetry import as_2d, model_series, ok_rows
 from pipeline.schema import Col
 
@@ -150,73 +152,10 @@ def plot_drift_heatmap(df: pd.DataFrame, path: Path, methods=(RCR, FIXED), max_s
     return _save(fig, path)
 
 
-def _full_reference(ax, analysis: Analysis, model: str, note: str) -> None:
-    """``full`` as a horizontal reference line (its fidelity against itself is 1 by definition)."""
-    m = analysis.methods
-    full = m[(m.model == model) & (m.method == "full")].fidelity.dropna()
-    if len(full):
-        ax.axhline(float(full.iloc[0]), color="black", ls="--", lw=1, label=f"full (reference: {note})")
-
-
 def plot_frontier(analysis: Analysis, path: Path) -> Path | None:
-    """Left: fidelity against realised refresh fraction; right: against prefix reads per decode step (keys +
-    values per KV head per layer-step, from the telemetry). ``full`` is the dashed reference line."""
-    f = analysis.frontier
-    f = f[f.method != "full"] if not f.empty else f
-    if f.empty:
-        return None
-    models = _models(analysis)
-    reads = analysis.methods.set_index(["model", "method"])["reads_per_step"] \
-        if "reads_per_step" in analysis.methods else pd.Series(dtype=float)
-    fig, axes = plt.subplots(len(models), 2, figsize=(14, 5 * len(models)), squeeze=False)
-    for (ax, ax_r), model in zip(axes, models):
-        g = f[f.model == model].copy()
-        g["reads_per_step"] = [reads.get((model, m), np.nan) for m in g.method]
-        sw = g[g.kind == "sweep"]
-        fx = g[g.method == FIXED]
-        if not fx.empty and not sw.empty:  # the plain `fixed` method is a sweep point too
-            sw = pd.concat([sw, fx])
-        for axis, x, label in ((ax, "refresh_fraction", "realised refresh fraction (of layer-steps)"),
-                               (ax_r, "reads_per_step",
-                                ("prefix reads per decode step (keys + values per KV head per layer; "
-                                 "symlog)"))):
-            if not sw.empty:
-                s_ = sw.sort_values(x)
-                yerr = [(s_.fidelity - s_.fidelity_ci_low).clip(lower=0),
-                        (s_.fidelity_ci_high - s_.fidelity).clip(lower=0)]
-                axis.errorbar(s_[x], s_.fidelity, yerr=yerr, fmt="o-", color="tab:blue", capsize=3,
-                              label="fixed tau sweep")
-                for _, r in s_.iterrows():
-                    tau = r.tau if pd.notna(r.tau) else parse_sweep_tau(r.method)
-                    if tau is not None and pd.notna(tau):
-                        axis.annotate(f"tau={tau:g}", (r[x], r.fidelity), textcoords="offset points",
-                                      xytext=(5, -12), fontsize=8, color="tab:blue")
-            for _, r in g[g.kind != "sweep"].iterrows():
-                if (r.method == FIXED and not sw.empty) or pd.isna(r[x]):
-                    continue
-                is_rcr = r.method == RCR
-                err = [[max(r.fidelity - r.fidelity_ci_low, 0)], [max(r.fidelity_ci_high - r.fidelity, 0)]]
-                axis.errorbar([r[x]], [r.fidelity], yerr=err,
-                              fmt="*" if is_rcr else "s", ms=14 if is_rcr else 6, capsize=3,
-                              color="tab:red" if is_rcr else "tab:gray", label=r.method)
-                axis.annotate(r.method, (r[x], r.fidelity), textcoords="offset points", xytext=(6, 4),
-                              fontsize=9, color="tab:red" if is_rcr else "black")
-            axis.set_xlabel(label)
-            axis.set_ylabel("fidelity (ROUGE-L F1 vs full)")
-            axis.grid(alpha=0.3)
-        _full_reference(ax, analysis, model, "every prefix entry resident, read at every step")
-        _full_reference(ax_r, analysis, model, "reads the whole prefix at every step")
-        ax.set_xlim(-0.05, 1.05)
-        ax_r.set_xscale("symlog", linthresh=1.0)
-        ax_r.set_xlim(left=-0.5)  # reads are >= 0; static methods sit at 0
-        ax.set_title(f"{model or 'model'}: cost / quality frontier (refresh fraction)")
-        ax_r.set_title(f"{model or 'model'}: cost / quality frontier (reads per step)")
-        for axis in (ax, ax_r):
-            handles, labels = axis.get_legend_handles_labels()
-            keep = [(h, lb) for h, lb in zip(handles, labels) if lb == "fixed tau sweep" or lb.startswith("full")]
-            if keep:
-                axis.legend(*zip(*keep), loc="lower right", fontsize=8)
-    return _save(fig, path)
+    """``frontier.png``: fidelity against realised refresh fraction and against prefix reads per decode step
+    (``frontier_plot.py``)."""
+    return frontier_plot.plot_frontier(analysis, path, _save)
 
 
 def plot_fidelity_vs_length(analysis: Analysis, path: Path, n_bins: int = 5) -> Path | None:

@@ -90,10 +90,41 @@ def _drift_lines(analysis: Analysis, model: str) -> list[str]:
     return lines
 
 
+def _ci(r: pd.Series, key: str, signed: bool = False) -> str:
+    """``r[key]`` with its CI from ``r[key + "_ci_low"]`` and ``r[key + "_ci_high"]``."""
+    return _fmt_ci(r.get(key), r.get(f"{key}_ci_low"), r.get(f"{key}_ci_high"), signed=signed)
+
+
+def _fixed_lines(analysis: Analysis, model: str) -> list[str]:
+    """rcr against the tuned fixed threshold and against the fixed-τ frontier (``fixed_tuning.py``)."""
+    c = analysis.fixed_comparison
+    c = c[c.model == model] if "model" in c else c.iloc[0:0]
+    if c.empty:
+        return []
+    r = c.iloc[0]
+    if r.status != "ok":
+        return [f"tuned fixed: {r.note}"]
+    if pd.notna(r.get("tau_star")):
+        lines = [f"tuned fixed: tau* = {r.tau_star:g} ({r.tau_star_method}), the best mean fidelity on the development "
+                 f"half (n={int(r.n_dev)}) of {r.candidates.replace(',', ', ')}",
+                 f"  test half (n={int(r.n_test)}): rcr - fixed(tau*) {_ci(r, 'diff_tuned', signed=True)}; "
+                 f"rcr {_ci(r, 'rcr_test_fidelity')}, fixed(tau*) {_ci(r, 'fixed_test_fidelity')}"]
+    else:
+        lines = [f"tuned fixed: {r.get('tuned_note')}"]
+    if pd.notna(r.get("frontier_fidelity")):
+        lines.append(f"  fixed-tau frontier at rcr's refresh {r.rcr_refresh:.3f} (between "
+                     f"{r.frontier_between.replace(',', ' and ')}; all samples): "
+                     f"{_ci(r, 'frontier_fidelity')}; rcr - frontier {_ci(r, 'diff_frontier', signed=True)}")
+    if r.get("frontier_note"):
+        lines.append(f"  fixed-tau frontier: {r.frontier_note}")
+    return lines
+
+
 def format_summary(analysis: Analysis) -> str:
     """The table a job prints at the end: per model, one line per method with
     fidelity mean [95% CI], difference from bacon [CI], difference from rcr [CI], realised refresh
     fraction, prefix reads (keys + values) per KV head per layer-step, tokens/s, n and errors; then the
+    tuned-fixed comparison (τ* and ``rcr − fixed(τ*)`` on held-out samples, ``rcr −`` the fixed-τ frontier), the
     tercile table, the correlations and the top-position stability, and a line on how it was measured."""
     m = analysis.methods
     lines: list[str] = []
@@ -105,7 +136,7 @@ def format_summary(analysis: Analysis) -> str:
         if g.empty:
             continue
         lines.append(f"== model: {model or '(unnamed)'} ==")
-        lines += _method_table(g, conf) + _drift_lines(analysis, model) + [""]
+        lines += _method_table(g, conf) + _fixed_lines(analysis, model) + _drift_lines(analysis, model) + [""]
     meta = analysis.meta
     lines.append(f"errors: {meta.get('n_error_rows', 0)} row(s) excluded"
                  + (f"; {meta.get('n_samples_without_full')} sample(s) without a 'full' row"

@@ -11,8 +11,11 @@ What it writes, per job:
 * one **parent run** (``rcr.role=parent``): params (the flattened config, model, dataset, git commit,
   metric definitions, bootstrap settings), the config as ``config.json``, the dataset as an MLflow
   dataset input, the summary table as the run's description, parent-level metrics (counts, top-position
-  stability, Spearman correlations), and artifacts: ``plots/*.png``, ``tables/per_sample.parquet`` (+csv),
-  ``tables/{methods,terciles,correlations,stability,frontier,errors}.csv``, ``summary.txt``;
+  stability, Spearman correlations), the tuned-fixed comparison (``tuned_fixed.*`` params and metrics: τ*,
+  ``rcr − fixed(τ*)`` on the test half and ``rcr −`` the fixed-τ frontier, with CIs), and artifacts:
+  ``plots/*.png``, ``tables/per_sample.parquet`` (+csv),
+  ``tables/{methods,terciles,correlations,stability,frontier,fixed_comparison,fixed_tuning,errors}.csv``,
+  ``summary.txt``;
 * one **child run per method** (per (model, method) when a job has several models), tagged
   ``mlflow.parentRunId``: every numeric column of its ``Analysis.methods`` row (``fidelity`` and
   ``diff_bacon`` / ``diff_rcr`` with ``_ci_low`` / ``_ci_high``, ``refresh_fraction`` (+CI), reference
@@ -46,7 +49,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline.analysis import report
+from pipeline.analysis import fixed_tuning, report
 from pipeline.analysis.analyze import Analysis, analyze
 from pipeline.analysis.labels import order_methods
 from pipeline.analysis.telemetry import refresh_by_step
@@ -59,7 +62,7 @@ __all__ = ["log_job", "check_tracking_server", "job_key", "data_fingerprint", "r
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "rcr-eval"
-TRACKING_VERSION = "1"  # bump when what is logged changes: existing runs are then replaced, not skipped
+TRACKING_VERSION = "2"  # bump when what is logged changes: existing runs are then replaced, not skipped
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TAG_KEY = "rcr.job_key"
@@ -429,6 +432,9 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
         "fidelity_metric": FIDELITY_DESC, "reference_rougeL": REF_ROUGE_DESC, "cider": a.meta.get("cider"),
         "bootstrap": a.meta.get("bootstrap"), "bootstrap_resamples": a.meta.get("bootstrap_resamples"),
         "bootstrap_seed": a.meta.get("seed"), "drift_source": a.meta.get("drift_source"),
+        # what the infinigen rows were calibrated on (pipeline/run/calibration.py); None (not logged) without them
+        "infinigen_calibration": joined_unique(df, Col.CALIBRATION),
+        "infinigen_calibration_sha256": joined_unique(df, Col.CALIBRATION_SHA256),
     })
     _log_params(client, pid, params)
     try:
@@ -436,6 +442,9 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
     except Exception as e:  # noqa: BLE001 - the dataset entity is a convenience
         warnings.warn(f"MLflow dataset input not logged: {e}", stacklevel=2)
     _log_metrics(client, pid, _parent_metrics(a, multi=len(models) > 1))
+    tuned_params, tuned_metrics = fixed_tuning.mlflow_values(a.fixed_comparison, multi=len(models) > 1)
+    _log_params(client, pid, tuned_params)
+    _log_metrics(client, pid, tuned_metrics)
     _log_artifacts(client, pid, df, a, summary, config, adir, rho)
     for _, row in a.methods.iterrows():
         _log_child(client, exp_id, pid, df, a, row, key=key, job_name=job_name, commit=commit, multi=len(models) > 1)
@@ -472,7 +481,8 @@ def _log_artifacts(client, pid: str, df: pd.DataFrame, a: Analysis, summary: str
         warnings.warn(f"plots failed: {type(e).__name__}: {e}", stacklevel=2)
     a.per_sample.to_parquet(tdir / "per_sample.parquet", index=False)
     a.per_sample.to_csv(tdir / "per_sample.csv", index=False)
-    for name in ("methods", "terciles", "correlations", "stability", "frontier", "errors"):
+    for name in ("methods", "terciles", "correlations", "stability", "frontier", "fixed_comparison", "fixed_tuning",
+                 "errors"):
         getattr(a, name).to_csv(tdir / f"{name}.csv", index=False)
     atomic_write_text(summary + "\n", adir / "summary.txt")
     atomic_write_text(json.dumps(a.meta, indent=1, default=str), adir / "analysis_meta.json")

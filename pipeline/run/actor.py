@@ -112,6 +112,10 @@ class RcrEngine:
         self.rcr_config = rcr.RCRConfig(**cfg.rcr)
         self.max_new_tokens = cfg.max_new_tokens
 
+    def use_infinigen_calibration(self, directory: str) -> None:
+        """Decode ``infinigen`` with the calibration in ``directory`` (``pipeline/run/calibration.py``)."""
+        self.rcr_config = self.rcr_config.replace(infinigen_calibration=directory)
+
     def run(self, prompts: list[str], images: list[list], methods: list[str], task: str):
         """One left-padded batch, one shared prefill, every method -> label -> GenerationResult."""
         inputs = self.rcr.models.build_inputs(self.processor, prompts, images, video=(task == "video"))
@@ -153,7 +157,9 @@ def _import_engine(spec: str):
 class SampleEvaluator:
     """Ray Data callable class: the model is loaded once per actor, in ``__init__``."""
 
-    def __init__(self, config: dict, config_hash: str | None = None):
+    def __init__(self, config: dict, config_hash: str | None = None, calibration: dict | None = None):
+        """``calibration``: InfiniGen's calibration as the driver resolved it (``CalibrationSpec.actor_payload``);
+        the actor materialises it once, before its first batch."""
         self.cfg = JobConfig.from_dict(config, validate=False)  # the driver validated it (paths are its own)
         if self.cfg.max_new_tokens is None:  # a hand-written config: the task's default, as validate() fills in
             self.cfg.max_new_tokens = default_max_new_tokens(self.cfg.task)
@@ -176,6 +182,12 @@ class SampleEvaluator:
         self.dtype = dtype
         t0 = time.perf_counter()
         self.engine = _import_engine(self.cfg.engine)(self.cfg, self.device, dtype)
+        self._calibration_dir = None  # a temporary directory this actor calibrated into, kept while it lives
+        if calibration is not None:
+            from pipeline.run.calibration import materialize
+
+            directory, self._calibration_dir = materialize(calibration, self.engine, self.cfg)
+            self.engine.use_infinigen_calibration(directory)
         self.load_s = time.perf_counter() - t0
         log.info("SampleEvaluator: %s on %s/%s loaded in %.1fs (pid %d)", self.cfg.model, self.device, dtype,
                  self.load_s, os.getpid())

@@ -11,6 +11,8 @@ Steps:
    Read only their ``sample_id`` column to list the rows in scope (``limit`` = the first N rows).
    Pre-flight (``pipeline/preflight.py``): the model resolves, is a supported family and its processor loads,
    and ``--device cuda`` has a GPU; a failure is one line naming the flag, exit code 2, before Ray starts.
+   With ``infinigen`` among the methods, its offline calibration is resolved (``pipeline/run/calibration.py``)
+   and recorded in the config, so in its hash.
 2. Resume: read the keys already in the output directory (only rows of the same config hash count; a
    directory holding another config's rows is refused). Plan the missing (sample, method) pairs.
 3. Rows the driver can reject on their own (a duplicate or missing sample_id) become error rows here.
@@ -37,6 +39,7 @@ from pipeline import preflight, quiet
 from pipeline.analysis import report, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.data import convert, shards, synthetic
+from pipeline.run import calibration
 from pipeline.run.actor import METHODS_COLUMN, SampleEvaluator
 from pipeline.run.config import (
     EMBEDDED,
@@ -137,6 +140,19 @@ def open_output_dir(store: OutputStore) -> None:
             "its rows will be computed again")
 
 
+def resolve_calibration(cfg: JobConfig, inputs: tuple) -> calibration.CalibrationSpec | None:
+    """InfiniGen's calibration for this job (``pipeline/run/calibration.py``), recorded in ``rcr.extra`` so
+    that the config hash, the run record and MLflow carry it; a ConfigError naming the field if none."""
+    try:
+        cal = calibration.resolve(cfg, inputs[0], inputs[1])
+    except calibration.CalibrationError as e:
+        raise ConfigError("rcr.infinigen_calibration", str(e)) from None
+    if cal is not None:
+        cfg.rcr = {**cfg.rcr, "extra": {**cfg.rcr.get("extra", {}), "infinigen_calibration": cal.record()}}
+        say(f"infinigen calibration: {cal.source} (sha256 {cal.sha256 or '-'})")
+    return cal
+
+
 # ---------------------------------------------------------------------- Ray stages
 
 
@@ -215,7 +231,8 @@ def actor_resources(cfg: JobConfig, cluster: dict[str, float]) -> dict[str, floa
     return {"num_gpus": float(n_gpu), "num_cpus": float(round(n_cpu, 3)), "torch_threads": int(threads)}
 
 
-def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: dict[str, float]):
+def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: dict[str, float],
+                   calibration_payload: dict | None = None):
     ctx = ray.data.DataContext.get_current()
     ctx.max_errored_blocks = 0
     quiet.quiet_ray_data(ctx)  # the job prints its own progress line (_Progress)
@@ -228,7 +245,8 @@ def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: dict[
     with quiet.actor_fault_tolerance():
         ds = ds.map_batches(
             SampleEvaluator,
-            fn_constructor_kwargs={"config": actor_cfg, "config_hash": cfg.config_hash},
+            fn_constructor_kwargs={"config": actor_cfg, "config_hash": cfg.config_hash,
+                                   "calibration": calibration_payload},
             batch_size=cfg.batch_size,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
@@ -359,7 +377,8 @@ def _driver_error_table(cfg: JobConfig, plan: Plan) -> pa.Table:
     return output_table(rows)
 
 
-def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) -> tuple[str, str | None]:
+def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter,
+            calibration_payload: dict | None = None) -> tuple[str, str | None]:
     """The model work, through Ray: every result block to ``writer``. Returns (status, error)."""
     ray = _ray_init(cfg)
     cluster = ray.cluster_resources()
@@ -368,7 +387,7 @@ def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) ->
     say(f"ray: {cluster.get('CPU', 0):.0f} CPU / {cluster.get('GPU', 0):.0f} GPU; "
         f"{cfg.num_actors} actor(s) x (num_gpus={res['num_gpus']:g}, num_cpus={res['num_cpus']:g}, "
         f"torch threads {res['torch_threads']}), batch size {cfg.batch_size}")
-    ds = _build_dataset(ray, cfg, paths, plan, res)
+    ds = _build_dataset(ray, cfg, paths, plan, res, calibration_payload)
     try:
         with writer.progress.heartbeat():
             # prefetch_batches=0: with Ray Data's default of 1, the iterator asks for block k+1 before it yields
@@ -403,6 +422,7 @@ def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     quiet.quiet_driver_logging()
     inputs = scan_inputs(cfg)  # bad shards: field 'shards', before the model is looked at
     preflight.check(cfg)  # model and device: one line and exit code 2, before anything is written or Ray starts
+    cal = resolve_calibration(cfg, inputs)  # before the config hash is read: it is part of it
     paths, plan = plan_job(cfg, store, inputs)
     say(f"job {cfg.job_name}: task={cfg.task} model={cfg.model} methods={','.join(cfg.methods)} "
         f"max_new_tokens={cfg.max_new_tokens} config_hash={cfg.config_hash}")
@@ -420,7 +440,8 @@ def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     writer = PartWriter(store, run_id, {(k, m) for k, m in record["planned"]}, progress, t_start)
     if plan.driver_errors:
         writer.write(_driver_error_table(cfg, plan))
-    status, error = _stream(cfg, paths, plan, writer) if plan.todo else ("ok", None)
+    payload = cal.actor_payload() if cal is not None else None
+    status, error = _stream(cfg, paths, plan, writer, payload) if plan.todo else ("ok", None)
 
     missing = writer.missing()
     if missing and status == "ok":

@@ -10,8 +10,10 @@ Layer 0 (``config.infinigen_layer0``): "exact_query" scores the current query th
 "static" keeps the initial selection.
 
 Calibration (``config.infinigen_calibration``): a directory written by ``python -m rcr.calibrate_infinigen``
-(skews and columns from ``rcr.skewing``), or None: each sample is calibrated from its own prefill (its window
-queries and prefix keys). ``GenerationResult.cost["calibration"]`` records which.
+(skews and columns from ``rcr.skewing``, calibrated offline as InfiniGen's authors do), or "per_sample" (also
+None): each sample is calibrated from its own prefill (its window queries and prefix keys).
+``GenerationResult.cost`` records which: ``calibration`` (the directory's description, else its path; or
+"per_sample") and ``calibration_sha256`` (the digest of its tensor file; None per sample).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..cache import PrefixStore
 from ..config import ConfigError
 from ..models import _text_layers
 from ..scoring import group_queries, reduce_heads
-from ..skewing import check_orthogonal, load_calibration, n_partial, partial_columns, skew_from_grams
+from ..skewing import PER_SAMPLE, check_orthogonal, load_calibration, n_partial, partial_columns, skew_from_grams
 from .base import StepContext
 from .scorer import ScorerMethod
 
@@ -52,7 +54,8 @@ class InfiniGenState:
     skew_cols: list[torch.Tensor]  # per layer (B or 1, Hkv, d, c): the partial columns of A
     partial_keys: list[torch.Tensor]  # per layer (B, Hkv, Np, c): (K A)[:, cols], the device-resident part
     n_valid_prefix: torch.Tensor  # (B,) float
-    calibration: str  # where A and the columns came from: "prefill" or the calibration directory
+    calibration: str  # where A and the columns came from: "per_sample" or the calibration's description
+    calibration_sha256: str | None  # the calibration file's digest (None per sample)
     # set by the decode hooks while a decode runs
     attn: dict = field(default_factory=dict)  # layer -> attention module
     inputs: dict = field(default_factory=dict)  # layer -> normalised attention input at the current step
@@ -76,13 +79,14 @@ class InfiniGen(ScorerMethod):
 
     def init_state(self, prefix: PrefixStore) -> InfiniGenState:
         cfg, L, d = self.config, len(prefix.layers), prefix.head_dim
-        skews, cols, source = None, None, "prefill"
-        if cfg.infinigen_calibration is not None:
-            skews, cols, _ = load_calibration(cfg.infinigen_calibration)
-            source = cfg.infinigen_calibration
+        skews, cols, source, digest = None, None, PER_SAMPLE, None
+        if cfg.infinigen_calibration not in (None, PER_SAMPLE):
+            skews, cols, meta = load_calibration(cfg.infinigen_calibration)
+            source, digest = str(meta.get("description") or cfg.infinigen_calibration), meta["sha256"]
             if len(skews) != L or tuple(skews[0].shape) != (prefix.n_kv_heads, d, d):
-                raise ConfigError(f"RCRConfig.infinigen_calibration={source!r}: calibrated for {len(skews)} layers "
-                                  f"x {tuple(skews[0].shape)}, the model has {L} x ({prefix.n_kv_heads}, {d}, {d})")
+                raise ConfigError(f"RCRConfig.infinigen_calibration={cfg.infinigen_calibration!r}: calibrated for "
+                                  f"{len(skews)} layers x {tuple(skews[0].shape)}, the model has {L} x "
+                                  f"({prefix.n_kv_heads}, {d}, {d})")
         c = n_partial(cfg.infinigen_partial_ratio, d)
         skew_cols, partial_keys = [], []
         for layer in range(L):
@@ -98,7 +102,7 @@ class InfiniGen(ScorerMethod):
             a_c = torch.gather(a, -1, col.unsqueeze(-2).expand(*col.shape[:-1], d, col.shape[-1]))  # (., H, d, c)
             skew_cols.append(a_c)
             partial_keys.append(k_p @ a_c)
-        return InfiniGenState(skew_cols, partial_keys, prefix.prefix_valid.sum(-1).float(), source)
+        return InfiniGenState(skew_cols, partial_keys, prefix.prefix_valid.sum(-1).float(), source, digest)
 
     @contextlib.contextmanager
     def decode_hooks(self, model, state: InfiniGenState):
@@ -146,4 +150,4 @@ class InfiniGen(ScorerMethod):
 
     def cost_model(self, prefix: PrefixStore, state: InfiniGenState) -> dict:
         return {**super().cost_model(prefix, state), "partial_columns": state.skew_cols[0].shape[-1],
-                "calibration": state.calibration}
+                "calibration": state.calibration, "calibration_sha256": state.calibration_sha256}

@@ -35,6 +35,8 @@ def test_wheel_holds_the_embedded_model(wheel):
     for f in MODEL_FILES:
         assert f"rcr/embedded_model/{f}" in names, f"rcr/embedded_model/{f} is not in {wheel.name}"
     assert "rcr/embedded.py" in names and "pipeline/run/config.py" in names
+    for f in ("infinigen.safetensors", "calibration.json"):  # its InfiniGen calibration (pipeline/run/calibration.py)
+        assert f"rcr/embedded_model/infinigen_calibration/{f}" in names, f
     shipped = (model_dir() / "model.safetensors").stat().st_size
     assert zipfile.ZipFile(wheel).getinfo("rcr/embedded_model/model.safetensors").file_size == shipped
 

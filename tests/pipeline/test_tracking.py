@@ -89,6 +89,11 @@ def test_runs_metrics_artifacts_exist(job):
     assert parent.data.metrics["n_error_rows"] == int(job["df"].error.notna().sum())
     assert 0 < parent.data.metrics["top_pos_unchanged_fraction"] < 1
     assert any(k.startswith("spearman_gap_exact.rcr.vs_mean_drift") for k in parent.data.metrics)
+    # the tuned-fixed comparison: tau* as a param and a metric, the held-out difference with its CI
+    tau_star = float(p["tuned_fixed.tau_star"])
+    assert tau_star in (0.03, 0.05) and parent.data.metrics["tuned_fixed.tau_star"] == tau_star
+    m = parent.data.metrics
+    assert m["tuned_fixed.diff_tuned_ci_low"] <= m["tuned_fixed.diff_tuned"] <= m["tuned_fixed.diff_tuned_ci_high"]
     # dataset input
     full = c.get_run(job["pid"])
     assert full.inputs.dataset_inputs and full.inputs.dataset_inputs[0].dataset.source_type
@@ -96,7 +101,7 @@ def test_runs_metrics_artifacts_exist(job):
     arts = _artifact_paths(c, job["pid"])
     for a in ("plots/fidelity_ci.png", "plots/frontier.png", "plots/tau_refresh.png", "plots/drift_heatmap.png",
               "tables/per_sample.parquet", "tables/per_sample.csv", "tables/methods.csv", "tables/terciles.csv",
-              "summary.txt", "config.json"):
+              "tables/fixed_comparison.csv", "tables/fixed_tuning.csv", "summary.txt", "config.json"):
         assert a in arts, (a, arts)
     assert parent.info.artifact_uri.startswith((job["tmp"] / "mlartifacts").as_uri())
     local = c.download_artifacts(job["pid"], "tables/per_sample.parquet", str(job["tmp"]))

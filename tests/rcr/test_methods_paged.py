@@ -15,7 +15,14 @@ from rcr.methods.infinigen import InfiniGen, project_query
 from rcr.models import geometry
 from rcr.pages import PageLayout, bound_scores, page_bounds, page_order_scores
 from rcr.scoring import top_sorted
-from rcr.skewing import check_orthogonal, load_calibration, partial_columns, save_calibration, skew_from_grams
+from rcr.skewing import (
+    calibration_digest,
+    check_orthogonal,
+    load_calibration,
+    partial_columns,
+    save_calibration,
+    skew_from_grams,
+)
 from tests import tiny_models
 from tests.host_sync import forbid_host_sync
 
@@ -219,7 +226,12 @@ def test_infinigen_calibration_file_round_trip_and_use(qwen, tmp_path):
     torch.testing.assert_close((q @ a) @ (k @ a).T, q @ k.T, rtol=1e-4, atol=1e-4)
     cfg = SMALL.replace(infinigen_calibration=str(tmp_path))
     r = rcr.generate(model, inputs, method=["infinigen"], max_new_tokens=4, config=cfg, ignore_eos=True)
-    assert r["infinigen"].cost["calibration"] == str(tmp_path)
+    assert r["infinigen"].cost["calibration"] == str(tmp_path)  # no description in its meta: the path
+    assert r["infinigen"].cost["calibration_sha256"] == meta["sha256"] == calibration_digest(str(tmp_path))
+    for value in (None, "per_sample"):  # per sample: each sample's own prefill, no file
+        r = rcr.generate(model, inputs, method=["infinigen"], max_new_tokens=4, ignore_eos=True,
+                         config=SMALL.replace(infinigen_calibration=value))
+        assert r["infinigen"].cost["calibration"] == "per_sample" and r["infinigen"].cost["calibration_sha256"] is None
     big = rcr.RCRConfig(selected=4096, candidates=4096, window=8, infinigen_calibration=str(tmp_path))
     r = rcr.generate(model, inputs, method=["full", "infinigen"], max_new_tokens=6, config=big, ignore_eos=True)
     assert torch.equal(r["full"].sequences, r["infinigen"].sequences)

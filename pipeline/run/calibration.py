@@ -35,7 +35,7 @@ from typing import Any
 from rcr.skewing import CALIBRATION_META, PER_SAMPLE, calibration_digest
 
 CALIBRATION_DIR = "infinigen_calibration"  # the embedded model's shipped calibration, inside its directory
-CALIBRATION_SEED = 20_000  # synthetic scenes of the shipped calibration: not training's 0, not evaluation's 10_000
+CALIBRATION_SEED = 20_000  # synthetic scenes of the shipped calibration: not the recipe's seeds, not evaluation's
 N_HELDOUT = 8  # calibration samples (the shipped file and held-out input rows): ~3k prompt tokens on the embedded
 # model, the scale of InfiniGen's 2048-token PG-19 calibration text
 
@@ -185,6 +185,7 @@ def materialize(payload: dict, engine, cfg) -> tuple[str, tempfile.TemporaryDire
 def main(argv: list[str] | None = None) -> int:
     """Write the embedded model's shipped calibration (rerun after retraining the model)."""
     from pipeline.data import synthetic
+    from pipeline.embedded.recipe import Recipe
     from rcr.embedded import model_dir
     from rcr.models import load
 
@@ -193,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=N_HELDOUT, help=f"synthetic detailcaps scenes (default {N_HELDOUT})")
     ap.add_argument("--seed", type=int, default=CALIBRATION_SEED, help=f"scene seed (default {CALIBRATION_SEED})")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.seed in (synthetic.TRAIN_SEED, synthetic.HELDOUT_SEED):
-        ap.error(f"--seed {args.seed} is the training or the evaluation seed")
+    recipe = Recipe.load(model_dir())  # the scenes the model was trained on are drawn with its seeds
+    if args.seed in (recipe.seed, recipe.polish_seed, synthetic.HELDOUT_SEED):
+        ap.error(f"--seed {args.seed} is a training seed ({recipe.seed}, {recipe.polish_seed}) or the evaluation "
+                 f"seed ({synthetic.HELDOUT_SEED})")
     model, processor = load(str(model_dir()), device="cpu", dtype="float32")
     rows = [synthetic.make_record("detailcaps", args.seed, i, layout=synthetic.DEFAULT_LAYOUT) for i in range(args.n)]
     desc = (f"offline: {args.n} synthetic detailcaps scenes (layout {synthetic.DEFAULT_LAYOUT}, seed {args.seed}; "
-            f"training uses seed {synthetic.TRAIN_SEED}, the evaluation shards {synthetic.HELDOUT_SEED})")
+            f"training uses seeds {recipe.seed} and {recipe.polish_seed}, the evaluation shards "
+            f"{synthetic.HELDOUT_SEED})")
     command = " ".join(["python -m pipeline.run.calibration", *(sys.argv[1:] if argv is None else argv)])
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     meta = calibrate_rows(model, processor, rows, 0.25, args.out, desc,

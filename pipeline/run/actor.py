@@ -111,6 +111,7 @@ class RcrEngine:
                                                          trust_remote_code=cfg.trust_remote_code)
         self.rcr_config = rcr.RCRConfig(**cfg.rcr)
         self.max_new_tokens = cfg.max_new_tokens
+        self.model_name = cfg.model
         self.geometry = rcr.models.geometry(self.model)
         self.reselected: tuple[bool, ...] | None = None  # as last logged
 
@@ -136,11 +137,12 @@ class RcrEngine:
 
     def log_reselected(self, n_input: int) -> None:
         """Once per model (and again only if a batch's context changes it): the layers a method re-selects. A
-        sliding window that cannot exclude any entry of the context is global (rcr.models.window_over)."""
+        sliding window that cannot exclude any entry of the context is global (rcr.models.window_over). Printed:
+        Ray forwards an actor's stdout to the job's output, not its INFO log records."""
         flags = self.geometry.reselected(n_input + self.max_new_tokens - 1)
         if flags != self.reselected:
             self.reselected = flags
-            log.info("re-selected layers: %d of %d", sum(flags), len(flags))
+            print(f"[rcr-job] {self.model_name}: re-selected layers: {sum(flags)} of {len(flags)}", flush=True)
 
     def decode(self, ids) -> str:
         tok = getattr(self.processor, "tokenizer", self.processor)

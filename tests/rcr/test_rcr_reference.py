@@ -305,9 +305,3 @@ def test_exact_selects_by_the_reference_probabilities(norm, batch):
                                   config=cfg))
     assert torch.equal(d.selection, torch.tensor(reference_exact(as_lists(prefix, res, query), cfg)))
 
-
-def test_the_ranking_ablations_are_validated():
-    with pytest.raises(rcr.ConfigError, match="kept_logits"):
-        rcr.RCRConfig(kept_logits="exact_all")
-    with pytest.raises(rcr.ConfigError, match="prob_norm"):
-        rcr.RCRConfig(prob_norm="prefix")

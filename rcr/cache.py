@@ -29,8 +29,9 @@ class PrefixLayer:
     keys: torch.Tensor  # (B, Hkv, N, d), post-RoPE
     values: torch.Tensor  # (B, Hkv, N, d)
     window_queries: torch.Tensor  # (B, Hq, W, d), post-RoPE queries of the last W prompt tokens
-    # the layer's own attention window (Gemma 3's local layers): such a layer is never re-selected and keeps
-    # every prefix entry, attending within the window (docs/models.md). None: a global layer
+    # the layer's own attention window (Gemma 3's local layers): where it can exclude an entry of a decode
+    # (rcr.generate.layer_windows), such a layer is not re-selected and keeps every prefix entry, attending within
+    # the window (docs/models.md). None: a global layer
     sliding_window: int | None = None
 
 

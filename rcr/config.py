@@ -38,6 +38,15 @@ class RCRConfig:
     # reduction over the G query heads of a KV head when ranking entries:
     # "mean_prob" = mean of softmax probabilities (BACON's GQA mean, default); "max_logit" = max logit.
     head_reduction: str = "mean_prob"
+    # ablations of the re-selection's ranking (rcr, fixed, rcr_layer; prob_norm also exact), docs/algorithms.md:
+    # the logits of the kept (selected) prefix entries in the candidate ranking: "exact" (the paper: their exact
+    # logits, already computed for the drift) or "approx" (the detector's rank-r logits, as for evicted entries)
+    kept_logits: str = "exact"
+    # mean_prob's normaliser per query head: "context" = the head's softmax over its whole context (the
+    # attention it would give; rcr estimates the normaliser from the drift's two log-sum-exps) or "scored" =
+    # the softmax over the entries being ranked (the prefix for the candidates and `exact`, the candidates
+    # for rcr's exact re-scoring)
+    prob_norm: str = "context"
     # --- BACON initial selection (SnapKV backbone) ---
     bacon_kernel: int = 5
     bacon_trace: int = 4
@@ -121,6 +130,8 @@ class RCRConfig:
         need(self.controller_signal in ("layer", "heads"), "controller_signal", "must be 'layer' or 'heads'")
         need(self.head_reduction in ("mean_prob", "max_logit"), "head_reduction",
              "must be 'mean_prob' or 'max_logit'")
+        need(self.kept_logits in ("exact", "approx"), "kept_logits", "must be 'exact' or 'approx'")
+        need(self.prob_norm in ("context", "scored"), "prob_norm", "must be 'context' or 'scored'")
         need(isinstance(self.page_size, int) and not isinstance(self.page_size, bool) and self.page_size >= 1,
              "page_size", "must be an integer >= 1")
         need(self.quest_reduction in ("max", "mean"), "quest_reduction", "must be 'max' or 'mean'")

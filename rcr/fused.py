@@ -14,9 +14,13 @@ machine, on first use, with the C++ compiler that torch.compile also uses, into 
 
 detector_pass:
     qr (B, Hkv, G, r) fp32, the rank-r query projections; projected_t (B, Hkv, r, Np) fp32; selection (B, Hkv, S)
-    int64, the resident prefix entries; valid (B, Np) bool or None (no padding); scaling; mean_prob
+    int64, the resident prefix entries; valid (B, Np) bool or None (no padding); kept (B, Hkv, G, S) fp32 or None,
+    the kept entries' exact logits, which replace their approximate ones in the scores; lse_res (B, Hkv, G) fp32 or
+    None, the exact log-sum-exp over the resident slots: mean_prob's normaliser becomes the context's; scaling;
+    mean_prob
     -> lse_ev (B, Hkv, G), the log-sum-exp of the approximate logits over the evicted valid entries (-inf when
        there are none), and scores (B, Hkv, Np), the candidate scores (-inf on padding)
+       (rcr.detector.Detector.evicted_lse_and_scores states both; it is the composed torch version)
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("detector_pass.cpp", "decide.cpp")  # compiled; detector_pass.h is included by both
 
 
-def _fake(qr, projected_t, selection, valid, scaling, mean_prob):
+def _fake(qr, projected_t, selection, valid, kept, lse_res, scaling, mean_prob):
     B, H, G, _ = qr.shape
     return qr.new_empty(B, H, G), qr.new_empty(B, H, projected_t.shape[-1])
 

@@ -22,7 +22,7 @@ from .cache import PrefixLayer, PrefixStore, ResidentCache, ResidentLayer
 from .config import ConfigError, RCRConfig
 from .fused import available as fused_kernels_available
 from .methods import BuildContext, Full, Method, StepContext, parse_method
-from .models import adapter_for, geometry
+from .models import adapter_for, geometry, window_over
 from .offload import HostReader, ResidentReader
 from .scoring import group_queries, logits, masked_lse
 from .telemetry import HostTelemetry, Telemetry
@@ -70,8 +70,10 @@ class DecodeSession:
     """Attention hook for decoding one method: decide, merge, record, attend."""
 
     def __init__(self, method: Method, prefix: PrefixStore, cache: ResidentCache, state, telemetry: Telemetry,
-                 masked: bool, reader=None):
+                 masked: bool, reader=None, windows: list[int | None] | None = None):
         self.method, self.prefix, self.cache, self.state, self.tel = method, prefix, cache, state, telemetry
+        # per layer, the sliding window over this decode's context (``layer_windows``); None: a global layer
+        self.windows = [pl.sliding_window for pl in prefix.layers] if windows is None else windows
         # any invalid slot in the batch (left padding, or static mode's unwritten slots); decided once, at build
         self.masked = masked
         # how the method's reads reach the device; in offload mode the method sees the host-memory store
@@ -86,7 +88,7 @@ class DecodeSession:
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         layer = module.layer_idx
         res = self.cache.layers[layer]
-        window = self.prefix.layers[layer].sliding_window  # a windowed layer keeps its whole prefix: no decision
+        window = self.windows[layer]  # a windowed layer keeps its whole prefix: no decision
         if self.exact_stats and window is None:
             self._record_exact(layer, query, res)
         if self.decides and window is None:
@@ -143,6 +145,13 @@ class GenerationResult:
         return {"tokens": self.sequences[b, :n].numpy(), **tel}
 
 
+def layer_windows(prefix: PrefixStore, max_new_tokens: int) -> list[int | None]:
+    """Per layer, its sliding window over a decode of ``max_new_tokens`` from ``prefix``: None (a global layer,
+    re-selected) where it has none or where it cannot exclude any entry. The longest attention of the decode is
+    over N + max_new_tokens - 1 entries: the last token is generated but never fed (``window_over``)."""
+    return [window_over(pl.sliding_window, prefix.prompt_len + max_new_tokens - 1) for pl in prefix.layers]
+
+
 def build_cache(method: Method, prefix: PrefixStore, max_new_tokens: int,
                 reference_scores: list[torch.Tensor] | None = None, static: bool = False) -> ResidentCache:
     ctx = BuildContext(prefix=prefix, config=method.config, reference_scores=reference_scores)
@@ -150,9 +159,9 @@ def build_cache(method: Method, prefix: PrefixStore, max_new_tokens: int,
     # a re-selecting method's merge as row copies on CPU (rcr.fused; built on first use, so only where it is used)
     fused = (method.reselects and method.config.fused_kernel and prefix.valid.device.type == "cpu"
              and fused_kernels_available())
-    layers = [ResidentLayer(prefix, i, (method if pl.sliding_window is None else whole).initial_selection(ctx, i),
+    layers = [ResidentLayer(prefix, i, (method if w is None else whole).initial_selection(ctx, i),
                             max_new_tokens, static, fused)
-              for i, pl in enumerate(prefix.layers)]  # in layer order: BACON's trace reads earlier layers
+              for i, w in enumerate(layer_windows(prefix, max_new_tokens))]  # in layer order: BACON's trace
     return ResidentCache(layers)
 
 
@@ -187,10 +196,10 @@ class Decoder:
         self.static = cfg.compile is not None
         self.cache = build_cache(method, prefix, max_new_tokens, reference_scores, static=self.static)
         self.state = method.init_state(prefix)  # detectors etc. are built on the device, as after a prefill
+        windows = layer_windows(prefix, max_new_tokens)
         # the most-attended prefix position is a property of uncompressed attention: recorded on `full` only
         self.tel = Telemetry(B, L, max(max_new_tokens - 1, 0), dev, cfg.exact_drift,
-                             cfg.record_attention and method.uncompressed,
-                             reselected=[pl.sliding_window is None for pl in prefix.layers])
+                             cfg.record_attention and method.uncompressed, reselected=[w is None for w in windows])
         masked = self.static or not bool(prefix.valid.all()) or any(not bool(layer.resident_valid.all())
                                                                     for layer in self.cache.layers)
         # offload mode: from here on the method and its resident layers see only the host-memory store
@@ -201,7 +210,7 @@ class Decoder:
             for layer in self.cache.layers:
                 layer.prefix = host
             reader = HostReader(host, dev, self.tel.bytes_moved)
-        self.session = DecodeSession(method, prefix, self.cache, self.state, self.tel, masked, reader)
+        self.session = DecodeSession(method, prefix, self.cache, self.state, self.tel, masked, reader, windows)
         self.eos = _eos_tensor(eos_token_id, dev)
         self.pad = torch.tensor(pad_token_id, device=dev)
         self.tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=dev)

@@ -3,8 +3,10 @@
 Families (by ``model_type``): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE use M-RoPE (three position rows,
 from the model's own ``get_rope_index``); LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL and Gemma 3 use 1-D
 positions (``cumsum`` of the attention mask). A layer with a sliding window (Gemma 3's local layers) is
-reported in :class:`Geometry` and is never re-selected: it keeps every prefix entry and attends within its own
-window, as transformers does (docs/models.md). Everything else in ``rcr`` is family-agnostic.
+reported in :class:`Geometry` and is not re-selected where the window is shorter than the decode's context: it
+keeps every prefix entry and attends within its own window, as transformers does (docs/models.md). A window that
+cannot exclude any entry of the context (``window_over``) is a global layer, re-selected like any other.
+Everything else in ``rcr`` is family-agnostic.
 """
 
 from __future__ import annotations
@@ -33,10 +35,19 @@ class Geometry:
     # layer. Windowed layers are not re-selected (docs/models.md).
     sliding_windows: tuple[int | None, ...] = ()
 
-    @property
-    def treated(self) -> tuple[bool, ...]:
-        """Per layer: whether a method re-selects this layer's prefix (every global layer)."""
-        return tuple(w is None for w in self.sliding_windows)
+    def reselected(self, context: int) -> tuple[bool, ...]:
+        """Per layer: whether a method re-selects this layer's prefix in a decode whose longest attention is over
+        ``context`` entries (padded prompt + max_new_tokens - 1): every layer whose window is None there
+        (``window_over``)."""
+        return tuple(window_over(w, context) is None for w in self.sliding_windows)
+
+
+def window_over(window: int | None, context: int) -> int | None:
+    """A layer's sliding window where no attention is over more than ``context`` entries: None (a global layer)
+    where it has none, or where it cannot exclude any entry (window >= context). A config that omits
+    ``sliding_window`` can inherit a default one (Mistral's 4096): over a shorter context such a layer is global,
+    and is compressed like any other."""
+    return None if window is None or window >= context else window
 
 
 def _text_layers(model):

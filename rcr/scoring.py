@@ -22,20 +22,25 @@ def logits(qg: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor
     return torch.einsum("bhgd,bhmd->bhgm", qg.float(), keys.float()) * scaling
 
 
-def reduce_heads(lg: torch.Tensor, valid: torch.Tensor, how: str) -> torch.Tensor:
+def reduce_heads(lg: torch.Tensor, valid: torch.Tensor | None, how: str,
+                 norm: torch.Tensor | None = None) -> torch.Tensor:
     """Rank entries for one KV head from its G query heads' logits.
 
-    lg (B, Hkv, G, M), valid (B, Hkv or 1, M) -> scores (B, Hkv, M), -inf where invalid.
-    ``mean_prob``: mean over G of the softmax over the M entries (BACON's GQA mean); ``max_logit``: max over G.
+    lg (B, Hkv, G, M), valid (B, Hkv or 1, M) or None (every entry valid) -> scores (B, Hkv, M), -inf where invalid.
+    ``mean_prob``: the mean over G of each head's probabilities (BACON's GQA mean): its softmax over the M entries,
+    or with ``norm`` (B, Hkv, G), a log-normaliser per head over a larger set (its whole context), exp(lg - norm).
+    ``max_logit``: max over G.
     """
-    mask = valid.unsqueeze(2)
-    lg = lg.masked_fill(~mask, NEG_INF)
+    if valid is not None:
+        lg = lg.masked_fill(~valid.unsqueeze(2), NEG_INF)
     if how == "mean_prob":
-        p = torch.softmax(lg, dim=-1).nan_to_num(0.0)  # an all-invalid row gives NaN; score it 0
+        p = torch.softmax(lg, dim=-1) if norm is None else torch.exp(lg - norm.unsqueeze(-1))
+        if valid is not None:  # an all-invalid row gives NaN (as does -inf - -inf); score it 0
+            p = p.nan_to_num(0.0)
         scores = p.mean(dim=2)
     else:
-        scores = lg.max(dim=2).values
-    return scores.masked_fill(~valid.expand_as(scores), NEG_INF)
+        scores = lg.amax(dim=2)
+    return scores if valid is None else scores.masked_fill(~valid.expand_as(scores), NEG_INF)
 
 
 def top_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:

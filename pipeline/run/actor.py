@@ -111,6 +111,9 @@ class RcrEngine:
                                                          trust_remote_code=cfg.trust_remote_code)
         self.rcr_config = rcr.RCRConfig(**cfg.rcr)
         self.max_new_tokens = cfg.max_new_tokens
+        self.model_name = cfg.model
+        self.geometry = rcr.models.geometry(self.model)
+        self.reselected: tuple[bool, ...] | None = None  # as last logged
 
     def use_infinigen_calibration(self, directory: str) -> None:
         """Decode ``infinigen`` with the calibration in ``directory`` (``pipeline/run/calibration.py``)."""
@@ -120,6 +123,7 @@ class RcrEngine:
         """One left-padded batch, one shared prefill, every method -> label -> GenerationResult."""
         inputs = self.rcr.models.build_inputs(self.processor, prompts, images, video=(task == "video"))
         self.check_context(int(inputs["input_ids"].shape[1]))
+        self.log_reselected(int(inputs["input_ids"].shape[1]))
         inputs = inputs.to(self.device)
         with self.torch.inference_mode():
             results = self.rcr.generate(self.model, inputs, method=list(methods),
@@ -134,6 +138,15 @@ class RcrEngine:
         if ctx and n_input + self.max_new_tokens > ctx:
             raise BadInput(f"prompt + image(s) are {n_input} tokens; with max_new_tokens={self.max_new_tokens} "
                            f"that exceeds the model's context of {ctx} tokens")
+
+    def log_reselected(self, n_input: int) -> None:
+        """Once per model (and again only if a batch's context changes it): the layers a method re-selects. A
+        sliding window that cannot exclude any entry of the context is global (rcr.models.window_over). Printed:
+        Ray forwards an actor's stdout to the job's output, not its INFO log records."""
+        flags = self.geometry.reselected(n_input + self.max_new_tokens - 1)
+        if flags != self.reselected:
+            self.reselected = flags
+            print(f"[rcr-job] {self.model_name}: re-selected layers: {sum(flags)} of {len(flags)}", flush=True)
 
     def decode(self, ids) -> str:
         tok = getattr(self.processor, "tokenizer", self.processor)

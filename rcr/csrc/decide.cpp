@@ -1,9 +1,9 @@
 // RCR's decode-time decision for one layer-step as one CPU op, rcr::decide, and the masked merge of a re-selection
 // into the resident slots, rcr::merge_rows (rcr/fused.py; docs/algorithms.md, "The fused CPU kernels").
 //
-// rcr::decide is RCR.decide (rcr/methods/rcr.py) with the resident reader: the detector pass (rcr::detector_pass),
-// the exact log-sum-exp over the resident slots, the drift and the trigger, and the candidates' exact re-scoring,
-// in plain loops; at::topk chooses the candidates and the selection, as the torch path does, so ties fall the
+// rcr::decide is RCR.decide (rcr/methods/rcr.py) with the resident reader: the exact logits over the resident slots
+// (their log-sum-exp, and the kept entries' logits for the candidate ranking), the detector pass
+// (rcr::detector_pass), the drift and the trigger, and the candidates' exact re-scoring, in plain loops; at::topk chooses the candidates and the selection, as the torch path does, so ties fall the
 // same way. What it removes is the ~100 torch calls of the torch path, each a few microseconds of dispatch and
 // allocation: on a small model those cost far more than the arithmetic. The rounding differs from the torch path
 // (sums in another order) but not the decisions (tests/rcr/test_rcr_decision.py). The threshold update stays with
@@ -85,27 +85,36 @@ float logsumexp(const float* l, int64_t n) {
   return m + std::log(s);
 }
 
-// Steps 1 and 3 of the decision for one (sample, KV head) whose keys are of type T: lse_res (G) over the valid
-// resident slots, and the exact scores (C) of the candidates cand (C) with the prefix rows kp (Np, d).
+// Step 1 of the decision for one (sample, KV head) whose keys are of type T: the exact logits of the G query heads
+// over the n resident slots kr (n, d) (-inf where a slot is invalid), their log-sum-exp lse_res (G), and, with
+// kept (G, S), the logits of the first S slots (the kept prefix entries), which rank them among the candidates.
 template <typename T>
-void resident_lse_and_exact(const float* q, int64_t G, int64_t d, const T* kr, int64_t n, const bool* rv,
-                            const T* kp, const int64_t* cand, int64_t C, const bool* pv, float sc, bool mean_prob,
-                            float* lse_res, float* exact, std::vector<float>& scratch) {
-  scratch.resize(std::max(n, G * C));
-  for (int64_t g = 0; g < G; ++g) {  // exact logits over the resident slots, -inf where a slot is invalid
+void resident_logits(const float* q, int64_t G, int64_t d, const T* kr, int64_t n, const bool* rv, float sc,
+                     int64_t S, float* lse_res, float* kept, std::vector<float>& scratch) {
+  scratch.resize(n);
+  for (int64_t g = 0; g < G; ++g) {
     for (int64_t j = 0; j < n; ++j)
       scratch[j] = (rv == nullptr || rv[j]) ? dot(q + g * d, kr + j * d, d) * sc : kNegInfF;
     lse_res[g] = logsumexp(scratch.data(), n);
+    if (kept != nullptr) std::copy(scratch.begin(), scratch.begin() + S, kept + g * S);
   }
+}
+
+// Step 3: the exact scores (C) of the candidates cand (C) with the prefix rows kp (Np, d). mean_prob: the mean over
+// G of each head's probability, its softmax over the candidates, or with norm (G) exp(logit - norm[g]).
+template <typename T>
+void exact_scores(const float* q, int64_t G, int64_t d, const T* kp, const int64_t* cand, int64_t C, const bool* pv,
+                  float sc, bool mean_prob, const float* norm, float* exact, std::vector<float>& scratch) {
+  scratch.resize(G * C);
   float* lg = scratch.data();  // (G, C) exact logits of the candidates, -inf where a candidate is padding
   for (int64_t c = 0; c < C; ++c) {
     const bool ok = pv == nullptr || pv[cand[c]];
     for (int64_t g = 0; g < G; ++g) lg[g * C + c] = ok ? dot(q + g * d, kp + cand[c] * d, d) * sc : kNegInfF;
   }
-  if (mean_prob) {  // mean over G of each head's softmax over the candidates (an all-padding row counts 0)
+  if (mean_prob) {  // an all-padding row (or a -inf normaliser) counts 0
     std::fill(exact, exact + C, 0.f);
     for (int64_t g = 0; g < G; ++g) {
-      const float lse = logsumexp(lg + g * C, C);
+      const float lse = norm != nullptr ? norm[g] : logsumexp(lg + g * C, C);
       if (lse == kNegInfF) continue;
       for (int64_t c = 0; c < C; ++c) exact[c] += std::exp(lg[g * C + c] - lse);
     }
@@ -120,6 +129,11 @@ void resident_lse_and_exact(const float* q, int64_t G, int64_t d, const T* kr, i
     for (int64_t c = 0; c < C; ++c) if (!pv[cand[c]]) exact[c] = kNegInfF;
 }
 
+float logaddexp(float a, float b) {
+  const float hi = std::max(a, b);
+  return hi == kNegInfF ? kNegInfF : hi + std::log1p(std::exp(std::min(a, b) - hi));
+}
+
 }  // namespace
 
 // -> trigger ((B,) bool, or (B, Hkv) with per_head), f ((B,) fp32: the refresh indicator, or the fraction of KV
@@ -129,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
     const at::Tensor& qg, const at::Tensor& basis_in, const at::Tensor& projected_t, const at::Tensor& resident_keys_in,
     const std::optional<at::Tensor>& resident_valid, const at::Tensor& selection, const std::optional<at::Tensor>& valid,
     const at::Tensor& prefix_keys_in, const at::Tensor& tau, double scaling, bool mean_prob, bool per_head,
-    int64_t n_candidates, int64_t n_selected) {
+    int64_t n_candidates, int64_t n_selected, bool kept_exact, bool context_norm) {
   check_cpu(qg, "qg");
   check_cpu(resident_keys_in, "resident_keys");
   check_cpu(prefix_keys_in, "prefix_keys");
@@ -180,8 +194,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
       }
     }
   }
-  auto [lse_ev, scores] = detector_pass(qr, projected_t, selection, valid, scaling, mean_prob);
-  // (B, H, C): the detector's top C, in position order; every entry when C covers the prefix
+  // 1. the exact logits over the resident slots: their log-sum-exp, and the kept entries' logits (slots [0, S))
+  const int64_t S = selection.size(2);
+  const bool context = mean_prob && context_norm;
+  at::Tensor lse_res = at::empty({B, H, G}, q.options());
+  at::Tensor kept = kept_exact ? at::empty({B, H, G, S}, q.options()) : at::Tensor();
+  TORCH_CHECK(!kept_exact || S <= n, "rcr::decide: the resident slots must hold the S kept entries");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kr.scalar_type(), "rcr::decide", [&] {
+    std::vector<float> scratch;
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      resident_logits<scalar_t>(
+          qd + bh * G * d, G, d, kr.data_ptr<scalar_t>() + b * kr.stride(0) + h * kr.stride(1), n,
+          rv.defined() ? rv.data_ptr<bool>() + b * rv.stride(0) + h * rv.stride(1) : nullptr, sc, S,
+          lse_res.data_ptr<float>() + bh * G, kept_exact ? kept.data_ptr<float>() + bh * G * S : nullptr, scratch);
+    }
+  });
+  // the detector pass: the evicted log-sum-exp and the candidate scores
+  auto [lse_ev, scores] = detector_pass(qr, projected_t, selection, valid,
+                                        kept_exact ? std::optional<at::Tensor>(kept) : std::nullopt,
+                                        context ? std::optional<at::Tensor>(lse_res) : std::nullopt, scaling, mean_prob);
+  // (B, H, C): the top C of the prefix ranking, in position order; every entry when C covers the prefix
   at::Tensor cand;
   if (C == Np) {
     cand = at::empty({B, H, Np}, selection.options());
@@ -191,19 +224,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
     cand = top_sorted(scores, C);
   }
 
-  // 1. exact log-sum-exp over the resident slots; 3. the candidates' exact scores
+  // 3. the candidates' exact scores; with the context's normaliser logaddexp(lse_res, lse_ev) per query head
   at::Tensor exact = at::empty({B, H, C}, q.options());
-  at::Tensor lse_res = at::empty({B, H, G}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kp.scalar_type(), "rcr::decide", [&] {
-    std::vector<float> scratch;
+    std::vector<float> scratch, norm(G);
+    const float* lr = lse_res.data_ptr<float>();
+    const float* le = lse_ev.data_ptr<float>();
     for (int64_t bh = 0; bh < B * H; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      resident_lse_and_exact<scalar_t>(
-          qd + bh * G * d, G, d, kr.data_ptr<scalar_t>() + b * kr.stride(0) + h * kr.stride(1), n,
-          rv.defined() ? rv.data_ptr<bool>() + b * rv.stride(0) + h * rv.stride(1) : nullptr,
-          kp.data_ptr<scalar_t>() + b * kp.stride(0) + h * kp.stride(1), cand.data_ptr<int64_t>() + bh * C, C,
-          pv.defined() ? pv.data_ptr<bool>() + b * pv.stride(0) : nullptr, sc, mean_prob,
-          lse_res.data_ptr<float>() + bh * G, exact.data_ptr<float>() + bh * C, scratch);
+      if (context)
+        for (int64_t g = 0; g < G; ++g) norm[g] = logaddexp(lr[bh * G + g], le[bh * G + g]);
+      exact_scores<scalar_t>(
+          qd + bh * G * d, G, d, kp.data_ptr<scalar_t>() + b * kp.stride(0) + h * kp.stride(1),
+          cand.data_ptr<int64_t>() + bh * C, C, pv.defined() ? pv.data_ptr<bool>() + b * pv.stride(0) : nullptr, sc,
+          mean_prob, context ? norm.data() : nullptr, exact.data_ptr<float>() + bh * C, scratch);
     }
   });
 
@@ -304,7 +338,8 @@ void merge_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tens
 TORCH_LIBRARY_FRAGMENT(rcr, m) {
   m.def("decide(Tensor qg, Tensor basis, Tensor projected_t, Tensor resident_keys, Tensor? resident_valid, "
         "Tensor selection, Tensor? valid, Tensor prefix_keys, Tensor tau, float scaling, bool mean_prob, "
-        "bool per_head, int n_candidates, int n_selected) -> (Tensor, Tensor, Tensor, Tensor)");
+        "bool per_head, int n_candidates, int n_selected, bool kept_exact, bool context_norm) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("merge_rows(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) slot_valid, Tensor(d!) selection, Tensor trigger, "
         "Tensor new_selection, Tensor prefix_keys, Tensor prefix_values, Tensor? prefix_valid) -> ()");
 }

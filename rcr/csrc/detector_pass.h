@@ -8,4 +8,6 @@
 
 std::tuple<at::Tensor, at::Tensor> detector_pass(const at::Tensor& qr, const at::Tensor& projected_t,
                                                  const at::Tensor& selection, const std::optional<at::Tensor>& valid,
-                                                 double scaling, bool mean_prob);
+                                                 const std::optional<at::Tensor>& kept,
+                                                 const std::optional<at::Tensor>& lse_res, double scaling,
+                                                 bool mean_prob);

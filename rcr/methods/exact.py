@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..scoring import group_queries, logits, reduce_heads
+import torch
+
+from ..scoring import group_queries, logits, masked_lse, reduce_heads
 from .base import StepContext
 from .scorer import ScorerMethod
 
@@ -18,10 +20,19 @@ class Exact(ScorerMethod):
     name = "exact"
 
     def score(self, ctx: StepContext):
-        p = ctx.prefix
+        p, cfg, res = ctx.prefix, self.config, ctx.resident
         k_p, _ = p.prefix_kv(ctx.layer)
         qg = group_queries(ctx.query, p.n_kv_heads)  # (B, Hkv, G, d)
-        return reduce_heads(logits(qg, k_p, p.scaling), p.prefix_valid.unsqueeze(1), self.config.head_reduction)
+        lg = logits(qg, k_p, p.scaling)  # (B, Hkv, G, Np)
+        valid = p.prefix_valid.unsqueeze(1)  # (B, 1, Np)
+        norm = None
+        if cfg.head_reduction == "mean_prob" and cfg.prob_norm == "context":
+            # each query head's log-normaliser over its whole context, exactly: the prefix, and the resident slots
+            # after the selected ones (window and generated tokens)
+            S = res.n_selected
+            lg_rest = logits(qg, res.resident_keys[:, :, S:], p.scaling)  # (B, Hkv, G, n - S)
+            norm = torch.logaddexp(masked_lse(lg, valid), masked_lse(lg_rest, res.resident_valid[:, :, S:]))
+        return reduce_heads(lg, valid, cfg.head_reduction, norm)
 
     def cost_model(self, prefix, state) -> dict:
         return {"keys_per_refresh": prefix.n_prefix, "values_per_refresh": self.n_selected(prefix)}

@@ -8,8 +8,11 @@ Per decode layer-step, before attention, with the current post-RoPE query q:
    (``Detector.evicted_lse_and_scores``) also gives the candidate scores; on CPU it is a fused C++ kernel, and an
    eager layer-step runs steps 1-3 as one C++ op (``rcr.fused``).
 2. trigger = drift > tau.
-3. Candidates, computed in every layer: the detector's top-C prefix entries (kept and evicted alike),
-   re-scored exactly with their keys; the top S are the new selection (C key + S value reads).
+3. Candidates, computed in every layer: the top C of the whole prefix ranked by the kept entries' exact logits
+   (the resident slots') and the evicted entries' approximate ones, re-scored exactly with their keys; the top
+   S are the new selection (C key + S value reads). ``mean_prob`` takes each query head's probability under its
+   whole context's softmax, normalised by logaddexp(LSE(z_resident), LSE(z~_evicted)), the drift's two terms.
+   ``kept_logits="approx"`` and ``prob_norm="scored"`` are the ablations (docs/algorithms.md, "rcr").
 4. The base merges under the trigger with torch.where (on CPU, eagerly: row copies where it fired,
    ``ResidentLayer.refresh``); tau is updated by the rate controller.
 
@@ -79,25 +82,19 @@ class RCR(Method):
         det = st.detectors[ctx.layer]
         qg = group_queries(ctx.query, p.n_kv_heads)  # (B, Hkv, G, d)
         padded = res.padded  # masks only where the batch has left padding: otherwise every entry is valid
+        kept_exact = cfg.kept_logits == "exact"
+        context = cfg.head_reduction == "mean_prob" and cfg.prob_norm == "context"
         if st.fused and not ctx.reader.offload and not torch.compiler.is_compiling():
-            # steps 1-3 below as one op (rcr/csrc/decide.cpp): the same computation in plain loops, without the
-            # ~100 torch calls; the candidates and the selection are still chosen by topk
-            tau = self.current_tau(st, ctx.layer).clone()
-            k_p, _ = p.prefix_kv(ctx.layer)
-            trigger, f, drift, sel = torch.ops.rcr.decide(
-                qg, det.basis, det.projected_t, res.resident_keys, res.resident_valid if res.slots_masked else None,
-                res.selection, p.prefix_valid if padded else None, k_p, tau, p.scaling,
-                cfg.head_reduction == "mean_prob", cfg.controller_signal == "heads", cfg.candidates, res.n_selected)
-            self.update_tau(st, ctx.layer, f)
-            # keys and values None: the merge copies the selected rows from the prefix store
-            return Decision(selection=sel, trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots)
+            return self._decide_op(ctx, qg, kept_exact, context)
 
-        # 1. estimated drift: exact on resident slots, approximate on evicted prefix entries
-        valid_p = p.prefix_valid.unsqueeze(1)  # (B, 1, Np)
+        # 1. estimated drift: exact on resident slots, approximate on evicted prefix entries. The resident slots'
+        # exact logits also rank the kept entries (slots [0, S) hold the selection), and with lse_ev give each query
+        # head's normaliser over its whole context
         lg_res = logits(qg, res.resident_keys, p.scaling)  # (B, Hkv, G, n)
         lse_res = masked_lse(lg_res, res.resident_valid) if res.slots_masked else torch.logsumexp(lg_res, dim=-1)
-        lse_ev, scores = det.evicted_lse_and_scores(qg, res.selection, p.prefix_valid if padded else None,
-                                                    p.scaling, cfg.head_reduction, st.fused)
+        lse_ev, scores = det.evicted_lse_and_scores(
+            qg, res.selection, p.prefix_valid if padded else None, p.scaling, cfg.head_reduction, st.fused,
+            kept=lg_res[..., : res.n_selected] if kept_exact else None, lse_res=lse_res if context else None)
         drift_h = torch.sigmoid(lse_ev - lse_res).mean(-1)  # (B, Hkv)
         drift = drift_h.mean(-1)  # (B,)
 
@@ -111,7 +108,8 @@ class RCR(Method):
         self.update_tau(st, ctx.layer, f)
         common = dict(trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots)
 
-        # 3. candidates: detector top-C over the whole prefix, exact re-scoring, keep top S
+        # 3. candidates: the top C of the prefix ranking (kept entries exact, evicted approximate), exact
+        # re-scoring, keep top S
         n_cand = min(cfg.candidates, p.n_prefix)
         cand = top_sorted(scores, n_cand)  # (B, Hkv, C)
         rows = ctx.reader.fired(trigger, cand)  # offload: host view of the trigger; GPU-only: None
@@ -119,16 +117,32 @@ class RCR(Method):
             return Decision(selection=None, **common)  # offload mode: nothing fired, nothing read
         k_c = ctx.reader.gather(ctx.layer, ctx.step, "keys", cand, rows)  # C key reads
         lg_c = logits(qg, k_c, p.scaling)  # (B, Hkv, G, C)
+        cand_valid = None
         if padded:
-            cand_valid = torch.gather(valid_p.expand(*cand.shape[:2], p.n_prefix), 2, cand)
-            exact = reduce_heads(lg_c, cand_valid, cfg.head_reduction)
-        else:
-            exact = torch.softmax(lg_c, dim=-1).mean(dim=2) if cfg.head_reduction == "mean_prob" else lg_c.amax(dim=2)
+            cand_valid = torch.gather(p.prefix_valid.unsqueeze(1).expand(*cand.shape[:2], p.n_prefix), 2, cand)
+        norm = torch.logaddexp(lse_res, lse_ev) if context else None  # (B, Hkv, G)
+        exact = reduce_heads(lg_c, cand_valid, cfg.head_reduction, norm)  # (B, Hkv, C)
         top = top_sorted(exact, res.n_selected)  # positions within the candidates, ascending
         sel = torch.gather(cand, 2, top)  # back to prefix indices, ascending
         keys = gather_heads(k_c, top)  # the selected keys are among the candidates: no second key read
         values = ctx.reader.gather(ctx.layer, ctx.step, "values", sel, rows)  # S value reads
         return Decision(selection=sel, keys=keys, values=values, **common)
+
+    def _decide_op(self, ctx: StepContext, qg: torch.Tensor, kept_exact: bool, context: bool) -> Decision:
+        """Steps 1-3 of ``decide`` as one op (rcr/csrc/decide.cpp): the same computation in plain loops, without the
+        ~100 torch calls; the candidates and the selection are still chosen by topk."""
+        p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
+        det = st.detectors[ctx.layer]
+        tau = self.current_tau(st, ctx.layer).clone()
+        k_p, _ = p.prefix_kv(ctx.layer)
+        trigger, f, drift, sel = torch.ops.rcr.decide(
+            qg, det.basis, det.projected_t, res.resident_keys, res.resident_valid if res.slots_masked else None,
+            res.selection, p.prefix_valid if res.padded else None, k_p, tau, p.scaling,
+            cfg.head_reduction == "mean_prob", cfg.controller_signal == "heads", cfg.candidates, res.n_selected,
+            kept_exact, context)
+        self.update_tau(st, ctx.layer, f)
+        # keys and values None: the merge copies the selected rows from the prefix store
+        return Decision(selection=sel, trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots)
 
     def cost_model(self, prefix, state) -> dict:
         return {"keys_per_refresh": min(self.config.candidates, prefix.n_prefix),

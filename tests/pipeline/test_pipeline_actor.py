@@ -179,3 +179,23 @@ def test_the_actor_loads_its_model_without_a_progress_bar(monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         actor.RcrEngine(JobConfig(), "cpu", "float32")
     assert seen == [False] and hf_logging.is_progress_bar_enabled()  # off while loading, restored after
+
+
+def test_the_engine_logs_the_reselected_layers_once_per_model(monkeypatch, capsys):
+    """LLaVA-NeXT-Mistral without `sliding_window` in its text config (transformers' default window, 4096): every
+    layer is re-selected in a context shorter than the window, and none in a longer one; logged once per change."""
+    import rcr.models
+    from pipeline.run import actor
+    from tests import tiny_models
+
+    base, proc = tiny_models.llava_next()
+    d = base.config.to_dict()
+    del d["text_config"]["sliding_window"]
+    model = type(base)(base.config.__class__.from_dict(d)).eval()
+    monkeypatch.setattr(rcr.models, "load", lambda *a, **k: (model, proc))
+    engine = actor.RcrEngine(JobConfig(model="llava-next-mistral", max_new_tokens=8), "cpu", "float32")
+    capsys.readouterr()
+    for n_input in (100, 120, 100, 4089, 4090):  # 4089 + 8 - 1 = 4096 entries at most: the window covers them
+        engine.log_reselected(n_input)
+    assert capsys.readouterr().out.splitlines() == ["[rcr-job] llava-next-mistral: re-selected layers: 3 of 3",
+                                                    "[rcr-job] llava-next-mistral: re-selected layers: 0 of 3"]

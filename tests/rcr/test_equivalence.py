@@ -43,7 +43,7 @@ def test_every_method_equals_full_with_budget_over_prefix(family, prompt_words, 
         assert torch.equal(res[label].sequences, full), f"{name}/{label} diverged from full"
     # the re-selecting methods really ran their decision at every layer-step of every global layer, and never on
     # a sliding-window layer (those keep their whole prefix and attend within their window)
-    treated = torch.tensor(geometry(model).treated)
+    treated = torch.tensor(geometry(model).reselected(inputs["input_ids"].shape[1] + N_NEW - 1))
     trigger = torch.from_numpy(res["exact"].telemetry.trigger)  # (B, L, T)
     assert treated.any()
     assert (trigger[:, treated] == 1).all() and trigger[:, ~treated].isnan().all()  # NaN: no selection there
@@ -110,6 +110,64 @@ def test_a_window_from_the_config_applies_to_every_layer():
     assert torch.equal(res["full"].sequences, ref) and torch.equal(res["exact"].sequences, ref)
     assert not torch.equal(ref, hf_greedy(base, inputs, N_NEW))  # the window changed the answer
     assert np.isnan(res["exact"].telemetry.trigger).all()  # no layer has a selection: none is re-selected
+
+
+def _with_text_config(family: str, drop: tuple[str, ...] = (), **changes):
+    """The tiny model of ``family`` with its text config changed (dropped keys: transformers' defaults), same weights
+    as the cached one."""
+    base, proc = tiny_models.FAMILIES[family]()
+    d = base.config.to_dict()
+    for k in drop:
+        del d["text_config"][k]
+    d["text_config"].update(changes)
+    model = type(base)(base.config.__class__.from_dict(d)).eval()
+    model.load_state_dict(base.state_dict())
+    return model, proc
+
+
+def test_a_mistral_config_without_a_window_is_compressed_at_every_layer():
+    """LLaVA-NeXT-Mistral's text config without `sliding_window` inherits transformers' default window (4096),
+    which cannot exclude anything of a shorter context: every layer is global, re-selected and compressed."""
+    model, proc = _with_text_config("llava_next", drop=("sliding_window",))
+    L = model.config.text_config.num_hidden_layers
+    assert geometry(model).sliding_windows == (4096,) * L
+    inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
+    context = inputs["input_ids"].shape[1] + N_NEW - 1
+    assert geometry(model).reselected(context) == (True,) * L
+    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
+    res = rcr.generate(model, inputs, method=["full", "exact", "rcr"], max_new_tokens=N_NEW, config=cfg,
+                       ignore_eos=True)
+    assert torch.equal(res["full"].sequences, hf_greedy(model, inputs, N_NEW))
+    assert (res["exact"].telemetry.trigger == 1).all()  # a decision at every layer-step of every layer
+    assert not np.isnan(res["rcr"].telemetry.trigger).any()
+    assert not torch.equal(res["exact"].sequences, res["full"].sequences)  # compressed
+
+
+def test_a_window_is_local_exactly_when_it_can_exclude_an_entry():
+    """The longest a decode's attention gets is N + max_new_tokens - 1 entries (the last token is never fed): a
+    window that long is global (re-selected), one entry shorter it is local, and `full` is transformers' own."""
+    _, proc = tiny_models.llava_next()
+    inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
+    longest = inputs["input_ids"].shape[1] + N_NEW - 1
+    for window, reselected in ((longest, True), (longest - 1, False)):
+        model, _ = _with_text_config("llava_next", sliding_window=window)
+        res = rcr.generate(model, inputs, method=["full", "exact"], max_new_tokens=N_NEW, config=BIG, ignore_eos=True)
+        assert torch.equal(res["full"].sequences, hf_greedy(model, inputs, N_NEW)), window
+        trigger = res["exact"].telemetry.trigger
+        assert ((trigger == 1).all() if reselected else np.isnan(trigger).all()), window
+
+
+def test_a_gemma3_window_longer_than_the_context_is_reselected():
+    """Gemma 3's local layers are global once their window covers the context; with the tiny config's short window
+    the local layer is not re-selected (test_sliding_window_layers_keep_their_whole_prefix_...)."""
+    model, proc = _with_text_config("gemma3", sliding_window=4096)
+    inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
+    assert geometry(model).sliding_windows[0] == 4096
+    assert geometry(model).reselected(inputs["input_ids"].shape[1] + N_NEW - 1) == (True, True)
+    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
+    res = rcr.generate(model, inputs, method=["full", "exact"], max_new_tokens=N_NEW, config=cfg, ignore_eos=True)
+    assert torch.equal(res["full"].sequences, hf_greedy(model, inputs, N_NEW))
+    assert (res["exact"].telemetry.trigger == 1).all()
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
 """rcr.fused: RCR's pass over the detector logits as one C++ kernel on CPU gives what the composed torch ops
 give (the path of every other device), and both give the textbook definition: the log-sum-exp of the approximate
-logits over the evicted valid entries, and the candidate scores. The merge as row copies equals the masked torch
-merge. End to end, a decode with the ops (the kernel, the whole-decision op and the merge) makes the same
-decisions as one without them; tests/rcr/test_rcr_decision.py checks every decision against a frozen reference."""
+logits over the evicted valid entries, and the candidate scores over the prefix ranked with the kept entries' exact
+logits (or all approximate, the ablation), normalised by the context's estimate (or the prefix's softmax). The merge
+as row copies equals the masked torch merge. End to end, a decode with the ops (the kernel, the whole-decision op
+and the merge) makes the same decisions as one without them; tests/rcr/test_rcr_reference.py and
+tests/rcr/test_rcr_decision.py check every decision against references."""
 
 import copy
 import warnings
@@ -20,15 +22,25 @@ from tests import tiny_models
 NEG_INF = float("-inf")
 
 
-def definition(qg, det, selection, valid, scaling, how):
+def definition(qg, det, selection, valid, scaling, how, kept=None, lse_res=None):
     approx = det.approx_logits(qg, scaling)  # (B, H, G, Np)
-    B, H, _, Np = approx.shape
+    B, H, G, Np = approx.shape
     v = torch.ones(B, Np, dtype=torch.bool) if valid is None else valid
     evicted = v[:, None, :].expand(B, H, Np).clone()
     evicted.scatter_(2, selection, False)
     lse_ev = torch.logsumexp(approx.masked_fill(~evicted[:, :, None], NEG_INF), -1)
-    lg = approx.masked_fill(~v[:, None, None], NEG_INF)
-    scores = torch.softmax(lg, -1).nan_to_num(0.0).mean(2) if how == "mean_prob" else lg.amax(2)
+    lg = approx.clone()
+    if kept is not None:  # the kept entries by their exact logits
+        for b in range(B):
+            for h in range(H):
+                lg[b, h][:, selection[b, h]] = kept[b, h]
+    lg = lg.masked_fill(~v[:, None, None], NEG_INF)
+    if how == "max_logit":
+        scores = lg.amax(2)
+    elif lse_res is None:
+        scores = torch.softmax(lg, -1).nan_to_num(0.0).mean(2)
+    else:  # each head's probability under its context's normaliser
+        scores = torch.exp(lg - torch.logaddexp(lse_res, lse_ev).unsqueeze(-1)).nan_to_num(0.0).mean(2)
     return lse_ev, scores.masked_fill(~v[:, None], NEG_INF)
 
 
@@ -51,17 +63,33 @@ def case(n_prefix, padded, seed=0, B=3, H=2, G=5, d=16, r=4, S=6, all_resident=F
     return qg, det, selection, (valid if padded else None)
 
 
+def ranking_inputs(qg, det, selection, scaling, ranking):
+    """kept (B, H, G, S) and lse_res (B, H, G) for a ranking variant: "paper" (kept exact, context normaliser),
+    "kept_exact" (the prefix's softmax), "approx" (neither). The kept logits differ from the approximate ones by a
+    few units, as exact logits do; lse_res covers them and more, as the resident slots' log-sum-exp does."""
+    if ranking == "approx":
+        return None, None
+    g = torch.Generator().manual_seed(1)
+    approx = det.approx_logits(qg, scaling)
+    kept = torch.gather(approx, 3, selection.unsqueeze(2).expand(*selection.shape[:2], approx.shape[2], -1))
+    kept = kept + 3.0 * torch.randn(kept.shape, generator=g)
+    lse_res = torch.logaddexp(torch.logsumexp(kept, -1), 2.0 * torch.randn(kept.shape[:3], generator=g))
+    return kept, (lse_res if ranking == "paper" else None)
+
+
 @pytest.mark.skipif(not F.available(), reason="the fused kernel could not be built here")
+@pytest.mark.parametrize("ranking", ["paper", "kept_exact", "approx"])
 @pytest.mark.parametrize("how", ["mean_prob", "max_logit"])
 @pytest.mark.parametrize("n_prefix,padded,all_resident", [(37, True, False), (37, False, False), (1000, True, False),
                                                           (1000, False, False), (24, True, True)],
                          ids=["odd-padded", "odd", "1k-padded", "1k", "all-resident"])
-def test_kernel_equals_the_torch_ops_and_the_definition(how, n_prefix, padded, all_resident):
+def test_kernel_equals_the_torch_ops_and_the_definition(how, n_prefix, padded, all_resident, ranking):
     qg, det, selection, valid = case(n_prefix, padded, all_resident=all_resident)
     scaling = 16 ** -0.5
-    fused = det.evicted_lse_and_scores(qg, selection, valid, scaling, how, fused=True)
-    composed = det.evicted_lse_and_scores(qg, selection, valid, scaling, how, fused=False)
-    want = definition(qg, det, selection, valid, scaling, how)
+    kept, lse_res = ranking_inputs(qg, det, selection, scaling, ranking)
+    fused = det.evicted_lse_and_scores(qg, selection, valid, scaling, how, True, kept, lse_res)
+    composed = det.evicted_lse_and_scores(qg, selection, valid, scaling, how, False, kept, lse_res)
+    want = definition(qg, det, selection, valid, scaling, how, kept, lse_res)
     for got in (fused, composed):
         for a, b in zip(got, want):
             assert a.shape == b.shape and a.dtype == torch.float32
@@ -70,6 +98,9 @@ def test_kernel_equals_the_torch_ops_and_the_definition(how, n_prefix, padded, a
     # the decisions taken from them: the candidate top-k
     k = min(8, n_prefix)
     assert torch.equal(fused[1].topk(k, -1).indices.sort(-1).values, want[1].topk(k, -1).indices.sort(-1).values)
+    if kept is not None and not all_resident:  # the kept logits moved the ranking
+        plain = definition(qg, det, selection, valid, scaling, how)[1]
+        assert not torch.equal(want[1].topk(k, -1).indices.sort(-1).values, plain.topk(k, -1).indices.sort(-1).values)
     if all_resident:
         assert torch.isinf(fused[0]).all()
     if padded:
@@ -85,14 +116,20 @@ def test_kernel_takes_bfloat16_queries_and_rejects_bad_inputs():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-7)
     qr = torch.zeros(3, 2, 5, 4)
+    kept, lse_res = torch.zeros(3, 2, 5, 6), torch.zeros(3, 2, 5)
+    op = torch.ops.rcr.detector_pass
     with pytest.raises(RuntimeError, match="selection must be int64"):
-        torch.ops.rcr.detector_pass(qr, det.projected_t, selection.int(), valid, 0.25, True)
+        op(qr, det.projected_t, selection.int(), valid, None, None, 0.25, True)
     with pytest.raises(RuntimeError, match="projected_t must be"):
-        torch.ops.rcr.detector_pass(qr, det.projected_t[:, :1], selection, valid, 0.25, True)
+        op(qr, det.projected_t[:, :1], selection, valid, None, None, 0.25, True)
     with pytest.raises(RuntimeError, match="valid must be bool"):
-        torch.ops.rcr.detector_pass(qr, det.projected_t, selection, valid[:, :3], 0.25, True)
+        op(qr, det.projected_t, selection, valid[:, :3], None, None, 0.25, True)
     with pytest.raises(RuntimeError, match="selection index 50 outside the prefix"):
-        torch.ops.rcr.detector_pass(qr, det.projected_t, selection.clamp_min(50), valid, 0.25, True)
+        op(qr, det.projected_t, selection.clamp_min(50), valid, None, None, 0.25, True)
+    with pytest.raises(RuntimeError, match="kept must be float32"):
+        op(qr, det.projected_t, selection, valid, kept[..., :5], lse_res, 0.25, True)
+    with pytest.raises(RuntimeError, match="lse_res must be float32"):
+        op(qr, det.projected_t, selection, valid, kept, lse_res.double(), 0.25, True)
 
 
 @pytest.mark.skipif(not F.available(), reason="the fused kernel could not be built here")
@@ -157,13 +194,15 @@ def test_decide_and_merge_rows_reject_bad_inputs():
     keys = torch.randn(B, H, 50, d)
     args = dict(qg=qg, basis=det.basis, projected_t=det.projected_t, resident_keys=keys[:, :, :12],
                 resident_valid=None, selection=selection, valid=valid, prefix_keys=keys, tau=torch.zeros(B),
-                scaling=0.25, mean_prob=True, per_head=False, n_candidates=16, n_selected=6)
+                scaling=0.25, mean_prob=True, per_head=False, n_candidates=16, n_selected=6, kept_exact=True,
+                context_norm=True)
     trigger, f, drift, sel = torch.ops.rcr.decide(**args)
     assert trigger.shape == f.shape == drift.shape == (B,) and sel.shape == (B, H, 6) and sel.dtype == torch.long
     assert (sel.diff(dim=-1) > 0).all()  # ascending positions
     bad = {"prefix_keys must be": dict(prefix_keys=keys[:, :, :40]), "tau must be": dict(tau=torch.zeros(B + 1)),
            "basis must be": dict(basis=det.basis.double()), "n_selected must be": dict(n_selected=17),
-           "resident_keys must be": dict(resident_keys=keys[:, :, :12].double())}
+           "resident_keys must be": dict(resident_keys=keys[:, :, :12].double()),
+           "must hold the S kept entries": dict(resident_keys=keys[:, :, :4])}
     for msg, change in bad.items():
         with pytest.raises(RuntimeError, match=msg):
             torch.ops.rcr.decide(**{**args, **change})

@@ -103,31 +103,40 @@ class RecordingExact(Exact):
 
     def decide(self, ctx):
         d = super().decide(ctx)
-        self.seen.append((ctx.layer, ctx.query.detach().double().clone(), d.selection.clone()))
+        res, S = ctx.resident, ctx.resident.n_selected  # the window and generated slots, after the selected ones
+        self.seen.append((ctx.layer, ctx.query.detach().double().clone(), d.selection.clone(),
+                          res.resident_keys[:, :, S:].double().clone(), res.resident_valid[:, :, S:].clone()))
         return d
 
 
-def test_exact_selects_the_top_entries_of_the_current_attention(qwen_prefix):
+@pytest.mark.parametrize("norm", ["context", "scored"])
+def test_exact_selects_the_top_entries_of_the_current_attention(qwen_prefix, norm):
     """`exact`'s selection at every layer-step == the top-S prefix entries by the step's own attention,
-    recomputed here in float64: softmax of q.k / sqrt(d) over the valid prefix, per query head, averaged over
-    the query heads that share the KV head (the default head_reduction, mean_prob)."""
+    recomputed here in float64: exp(q.k / sqrt(d)) per query head, normalised over its whole context (the valid
+    prefix, window and generated tokens; ``scored``: over the valid prefix), averaged over the query heads that share
+    the KV head (the default head_reduction, mean_prob)."""
     model, _, prefix = qwen_prefix
-    m = RecordingExact(config=SMALL)
+    m = RecordingExact(config=SMALL.replace(prob_norm=norm))
     rcr.decode(model, prefix, m, 6, eos_token_id=[])
     assert len(m.seen) == 5 * len(prefix.layers)  # the first of the 6 tokens comes from the prefill
     valid = prefix.prefix_valid.cpu().numpy()  # (B, Np)
     S = SMALL.selected
-    for layer, q, sel in m.seen:
+    for layer, q, sel, rest, rest_valid in m.seen:
         k = prefix.prefix_kv(layer)[0].double().cpu().numpy()  # (B, Hkv, Np, d)
         B, Hkv, Np, d = k.shape
         q = q.cpu().numpy()[:, :, 0]  # (B, Hq, d)
         G = q.shape[1] // Hkv
         for b in range(B):
             for h in range(Hkv):
-                logit = q[b, h * G:(h + 1) * G] @ k[b, h].T / np.sqrt(d)  # (G, Np)
+                qh = q[b, h * G:(h + 1) * G]
+                logit = qh @ k[b, h].T / np.sqrt(d)  # (G, Np)
                 logit[:, ~valid[b]] = -np.inf
-                prob = np.exp(logit - logit.max(1, keepdims=True))
-                prob = (prob / prob.sum(1, keepdims=True)).mean(0)
+                context = logit
+                if norm == "context":
+                    lr = qh @ rest[b, h].numpy().T / np.sqrt(d)  # (G, n - S)
+                    context = np.concatenate([logit, np.where(rest_valid[b, h].numpy(), lr, -np.inf)], 1)
+                m_ = context.max(1, keepdims=True)
+                prob = (np.exp(logit - m_) / np.exp(context - m_).sum(1, keepdims=True)).mean(0)
                 want = set(np.argsort(-prob, kind="stable")[:S].tolist())
                 assert set(sel[b, h].tolist()) == want, (layer, b, h)
 
@@ -279,7 +288,7 @@ def test_bacon_selection_of_a_sample_does_not_depend_on_its_batch():
 @pytest.mark.parametrize("field,value", [
     ("rho", 0.0), ("rho", 1.0), ("rho", 1.5), ("selected", -1), ("window", -2), ("candidates", 16),
     ("rank", 0), ("tau0", 0.0), ("step", -0.1), ("bacon_kernel", 4), ("controller_signal", "mean"),
-    ("head_reduction", "sum"),
+    ("head_reduction", "sum"), ("kept_logits", "exact_all"), ("prob_norm", "prefix"),
 ])
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(rcr.ConfigError, match=field):

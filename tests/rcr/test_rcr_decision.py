@@ -1,12 +1,14 @@
-"""The lean rcr decision makes exactly the decisions of the implementation it replaced.
+"""The lean rcr decision makes exactly the decisions of a plain composed statement of it.
 
-``reference_decide`` and ``reference_refresh`` below are frozen copies of the decision and the masked merge
-as they were before the fast path (full-length masked copies, a separate log-sum-exp, ``torch.gather`` with
-an index expanded over d, out-of-place merge). At every layer-step of real decodes, with and without left
-padding, for ``rcr``, ``fixed`` and ``rcr_layer``, the current ``decide`` and the reference run on the same
-state: triggers, selections, taus, keys and values must be identical, and the drift equal to rounding.
-End to end, a decode with the reference decision and merge gives identical tokens, triggers, taus and
-resident caches.
+``reference_decide`` and ``reference_refresh`` below state the decision and the masked merge the way the
+implementation did before the fast path (full-length masked copies, a separate log-sum-exp, ``torch.gather`` with
+an index expanded over d, out-of-place merge), with the ranking of docs/algorithms.md, "rcr": kept entries by their
+exact logits, each query head's probability under its context (``kept_logits`` and ``prob_norm`` select the
+ablations). At every layer-step of real decodes, with and without left padding, for ``rcr``, ``fixed`` and
+``rcr_layer``, the current ``decide`` and the reference run on the same state: triggers, selections, taus, keys and
+values must be identical, and the drift equal to rounding. End to end, a decode with the reference decision and
+merge gives identical tokens, triggers, taus and resident caches. (tests/rcr/test_rcr_reference.py holds the
+step to a loop-by-loop reference on random inputs.)
 """
 
 from dataclasses import dataclass
@@ -34,10 +36,14 @@ def _logits(qg, keys, scaling):
     return torch.einsum("bhgd,bhmd->bhgm", qg.float(), keys.float()) * scaling
 
 
-def _reduce_heads(lg, valid, how):
+def _reduce_heads(lg, valid, how, norm=None):
     mask = valid.unsqueeze(2)
     lg = lg.masked_fill(~mask, NEG_INF)
-    scores = torch.softmax(lg, dim=-1).nan_to_num(0.0).mean(dim=2) if how == "mean_prob" else lg.max(dim=2).values
+    if how == "mean_prob":
+        p = torch.softmax(lg, dim=-1) if norm is None else torch.exp(lg - norm.unsqueeze(-1))
+        scores = p.nan_to_num(0.0).mean(dim=2)
+    else:
+        scores = lg.max(dim=2).values
     return scores.masked_fill(~valid.expand_as(scores), NEG_INF)
 
 
@@ -62,7 +68,8 @@ def reference_decide(method, ctx) -> Decision:
     B, Hq, _, d = ctx.query.shape
     qg = ctx.query.view(B, p.n_kv_heads, Hq // p.n_kv_heads, d)
     valid_p = p.prefix_valid.unsqueeze(1)
-    lse_res = _masked_lse(_logits(qg, res.resident_keys, p.scaling), res.resident_valid)
+    lg_res = _logits(qg, res.resident_keys, p.scaling)
+    lse_res = _masked_lse(lg_res, res.resident_valid)
     basis, projected = det.basis, det.projected  # (B, Hkv, d, r), (B, Hkv, Np, r)
     qr = torch.einsum("bhgd,bhdr->bhgr", qg.float(), basis)
     approx = torch.einsum("bhgr,bhnr->bhgn", qr, projected) * p.scaling
@@ -74,11 +81,16 @@ def reference_decide(method, ctx) -> Decision:
     f = trigger.float().mean(-1) if trigger.dim() == 2 else trigger.float()
     method.update_tau(st, ctx.layer, f)
     n_cand = min(cfg.candidates, p.n_prefix)
-    cand = _top_sorted(_reduce_heads(approx, valid_p, cfg.head_reduction), n_cand)
+    ranked = approx.clone()  # kept entries by their exact logits (the resident slots [0, S)), evicted approximate
+    if cfg.kept_logits == "exact":
+        S = res.n_selected
+        ranked.scatter_(3, res.selection.unsqueeze(2).expand(B, p.n_kv_heads, Hq // p.n_kv_heads, S), lg_res[..., :S])
+    norm = torch.logaddexp(lse_res, lse_ev) if cfg.prob_norm == "context" else None  # the context's normaliser
+    cand = _top_sorted(_reduce_heads(ranked, valid_p, cfg.head_reduction, norm), n_cand)
     k_p, v_p = p.prefix_kv(ctx.layer)
     k_c = _gather_heads(k_p, cand)
     cand_valid = torch.gather(valid_p.expand(*cand.shape[:2], p.n_prefix), 2, cand)
-    exact = _reduce_heads(_logits(qg, k_c, p.scaling), cand_valid, cfg.head_reduction)
+    exact = _reduce_heads(_logits(qg, k_c, p.scaling), cand_valid, cfg.head_reduction, norm)
     top = _top_sorted(exact, res.n_selected)
     sel = torch.gather(cand, 2, top)
     return Decision(trigger=trigger, selection=sel, keys=_gather_heads(k_c, top), values=_gather_heads(v_p, sel),
@@ -161,8 +173,9 @@ def prefixes():
 
 @pytest.mark.parametrize("batch", ["padded", "unpadded"])
 @pytest.mark.parametrize("label", ["rcr", "fixed", "rcr_layer"])
-@pytest.mark.parametrize("variant", [{}, {"controller_signal": "heads"}, {"head_reduction": "max_logit"}],
-                         ids=["default", "per_head_trigger", "max_logit"])
+@pytest.mark.parametrize("variant", [{}, {"controller_signal": "heads"}, {"head_reduction": "max_logit"},
+                                     {"kept_logits": "approx", "prob_norm": "scored"}],
+                         ids=["default", "per_head_trigger", "max_logit", "ablated_ranking"])
 def test_every_decision_equals_the_reference(prefixes, batch, label, variant):
     model, (prefix, cfg) = prefixes[0], prefixes[1][batch]
     m = twin(label, cfg.replace(**variant))

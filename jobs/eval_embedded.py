@@ -54,8 +54,9 @@ def layer_probes(model_name: str, layout: str, n: int, threads: int):
     model.set_attn_implementation("eager")
     answers = held_out_answers(model, processor, "detailcaps", layout, n, DEFAULT_MAX_NEW_TOKENS["detailcaps"])
     cfg = RCRConfig()
+    context = answers[0].inputs["input_ids"].shape[1] + DEFAULT_MAX_NEW_TOKENS["detailcaps"] - 1
     return attention.profile(model, answers, cfg.selected), detector.probe(model, answers, cfg), \
-        geometry(model).treated
+        geometry(model).reselected(context)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

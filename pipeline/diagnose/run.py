@@ -107,7 +107,8 @@ def probes(cfg: JobConfig, n: int):
                    f"({rcfg.window}); the per-layer figures are left out")
         return None, None, None
     layers = attention.profile(model, answers, rcfg.selected)
-    return layers, detector.probe(model, answers, rcfg), geometry(model).treated
+    context = max(a.inputs["input_ids"].shape[1] for a in answers) + cfg.max_new_tokens - 1  # the decode's longest
+    return layers, detector.probe(model, answers, rcfg), geometry(model).reselected(context)
 
 
 def layer_frames(layers: list[dict], heads: list[list[dict]], treated) -> tuple[pd.DataFrame, pd.DataFrame]:

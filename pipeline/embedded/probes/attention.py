@@ -42,6 +42,7 @@ def main(argv=None) -> None:
     geo = geometry(model)
     answers = held_out_answers(model, processor, args.task, args.layout, args.n, args.max_new_tokens)
     layers = profile(model, answers, args.selected, args.per_head)
+    reselected = geo.reselected(answers[0].inputs["input_ids"].shape[1] + args.max_new_tokens - 1)
     print(f"{args.model} | {args.task}, layout {args.layout}, {args.n} held-out samples | "
           f"load average {os.getloadavg()[0]:.2f}, {args.threads} thread(s)")
     top = f"top-{args.selected}"
@@ -51,12 +52,12 @@ def main(argv=None) -> None:
     print(f"{'layer':>5}  {'kind':<6} {'prefix':>7} {'image':>7} {'on-img':>7} {'flat':>7} {top:>7} {'static':>7} "
           f"{'entries':>8} {'dwell':>7}  {chance}")
     for i, r in enumerate(layers):
-        kind = "local" if geo.sliding_windows[i] is not None else "global"
+        kind = "global" if reselected[i] else "local"
         for name, k, row in [(f"{i}", kind, r)] + [(f"kv{h}", "", x) for h, x in enumerate(r.get("heads", []))]:
             print(f"{name:>5}  {k:<6} {row['prefix']:7.3f} {row['image']:7.3f} {row['on_image']:7.3f} "
                   f"{row['flat']:7.3f} {row['top']:7.3f} {row['static']:7.3f} {row['entries']:8.1f} "
                   f"{row['dwell']:7.3f}  {row['cell']:7.3f}")
-    treated = [r for i, r in enumerate(layers) if geo.sliding_windows[i] is None]
+    treated = [r for i, r in enumerate(layers) if reselected[i]]
     print(f"re-selected layers: mean top-{args.selected} share {np.mean([r['top'] for r in treated]):.3f}, "
           f"dwell {np.mean([r['dwell'] for r in treated]):.3f}")
 

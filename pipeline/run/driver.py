@@ -445,8 +445,8 @@ def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     if cfg.summary:
         out.update(summarize(cfg, store))
     say(f"Parquet: {cfg.output_dir}  (pandas: pd.read_parquet({cfg.output_dir!r}))")
-    store = mlflow_ui.store_path(cfg.mlflow_uri)
-    where = f"store: {store}" if store else "a tracking server: its own UI"
+    db = mlflow_ui.store_path(cfg.mlflow_uri)
+    where = f"store: {db}" if db else "a tracking server: its own UI"
     say(f"MLflow runs: {cfg.mlflow_uri}  ({where})")
     return out
 

@@ -57,3 +57,11 @@ def test_the_read_stage_function_imports_no_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'rcr') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_the_read_stage_memory_figure_stays_schedulable():
+    """The read tasks' memory figure, capped at a quarter of the cluster's memory (a small node still runs them)."""
+    from pipeline.run.driver import READER_MEMORY, reader_memory
+
+    assert reader_memory({}) == READER_MEMORY == reader_memory({"memory": 64 * 2**30})
+    assert reader_memory({"memory": 2 * 2**30}) == 2**29

@@ -187,8 +187,9 @@ def test_experiment_is_tagged_as_model_development(job, tmp_path):
     assert c.get_experiment_by_name("rcr-test").tags["mlflow.experimentKind"] == "custom_model_development"
     uri = _store(tmp_path, "kinds.db")
     c = MlflowClient(tracking_uri=uri)
-    bare = c.create_experiment("bare")
-    chosen = c.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    art = (tmp_path / "artifacts").as_uri()  # not ./mlruns of the working directory
+    bare = c.create_experiment("bare", artifact_location=art)
+    chosen = c.create_experiment("chosen", artifact_location=art, tags={"mlflow.experimentKind": "genai_development"})
     df = make_output_frame(n_samples=3, methods=("full", "rcr"))
     for name in ("bare", "chosen"):
         tracking.log_job(df=df, config={}, tracking_uri=uri, experiment=name, bootstrap_resamples=RES, verbose=False)

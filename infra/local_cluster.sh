@@ -6,9 +6,15 @@
 #   ray job submit --working-dir . -- python jobs/detailcaps.py --mlflow-uri "$MLFLOW_TRACKING_URI"
 #   infra/local_cluster.sh status
 #   infra/local_cluster.sh stop      # stops only the processes this script started (by their pid group)
+#   infra/local_cluster.sh clean     # stop, then remove the runs directory and this project's own Ray sessions
 #
 # Ray token authentication is on (RAY_AUTH_MODE=token) with a token private to this cluster, kept in
 # $STATE/auth_token (mode 600). `stop` never calls `ray stop`, which would stop every Ray on the machine.
+#
+# Files. Ray's session directories (logs, sockets) go under RCR_RAY_TMP, never Ray's shared /tmp/ray; each one
+# the project starts (this script's head, a plain `python jobs/...`'s private Ray) is listed in
+# $RUNS/ray-sessions. `clean` removes exactly those sessions and $RUNS (infra/clean.py): not another session in
+# RCR_RAY_TMP, nothing in /tmp/ray.
 #
 # Ports. Each one is checked free before start. One set in the environment must be free, else `start` fails
 # naming it and its holder; one left unset takes its default if free, else any free port:
@@ -32,6 +38,7 @@ HOST=127.0.0.1
 PY="${PYTHON:-python}"
 RAY_TMP="${RCR_RAY_TMP:-/tmp/rcr-ray-$(id -u)}"   # short: Ray's unix socket paths must stay under 108 bytes
 PORTS_PY="$(cd "$(dirname "$0")" && pwd)/ports.py"
+CLEAN_PY="$(cd "$(dirname "$0")" && pwd)/clean.py"
 READY_TIMEOUT="${RCR_READY_TIMEOUT:-300}"
 
 say() { echo "[local-cluster] $*"; }
@@ -127,6 +134,14 @@ stop_group() {  # pidfile name
   rm -f "$pidfile"
 }
 
+record_session() {  # the head's session directory (its GCS server's --session-dir), for `clean`
+  local dir
+  dir=$(ps -e -ww -o pgid=,args= | awk -v g="$(cat "$STATE/ray.pid")" '$1 == g' \
+        | grep -o -- '--session-dir=[^ ]*' | head -1 || true)
+  dir=${dir#--session-dir=}
+  if [ -n "$dir" ]; then echo "$dir" >> "$RUNS/ray-sessions"; fi
+}
+
 start_head() {  # sets HEAD_ERROR and returns 1 on failure
   pick_ports
   local extra=() lo hi why
@@ -145,7 +160,10 @@ start_head() {  # sets HEAD_ERROR and returns 1 on failure
   echo $! > "$STATE/ray.pid"
   printf 'RAY_PORT=%s\nDASH_PORT=%s\nMLFLOW_PORT=%s\n' "$RAY_PORT" "$DASH_PORT" "$MLFLOW_PORT" > "$STATE/ports"
   say "waiting for the Ray head to answer (up to 120 s)"
-  if ! wait_http "http://$HOST:$DASH_PORT/api/version" 120 "$STATE/ray.pid"; then
+  local up=0
+  wait_http "http://$HOST:$DASH_PORT/api/version" 120 "$STATE/ray.pid" && up=1
+  record_session  # also a head that fails from here on has made its session directory
+  if [ "$up" = 0 ]; then
     why=$(grep -hE "Error|error:" "$STATE/ray.log" | tail -1 | cut -c1-300)
     stop_group "$STATE/ray.pid" "Ray head" >/dev/null
     HEAD_ERROR="the Ray head did not come up (${why:-no error in the log}; $(diagnose)). Log: $STATE/ray.log. Run: $0 start again, or set the named port's RCR_*_PORT"
@@ -227,17 +245,24 @@ stop() {
   say "stopped"
 }
 
+clean() {  # what stop stops, then the Ray sessions listed in $RUNS/ray-sessions and $RUNS itself
+  stop
+  "$PY" "$CLEAN_PY" "$RUNS"
+}
+
 status() {
   load_ports
   if alive "$STATE/ray.pid"; then say "Ray head: running (pid $(cat "$STATE/ray.pid")), http://$HOST:$DASH_PORT"
   else say "Ray head: not running"; fi
   if alive "$STATE/mlflow.pid"; then say "MLflow: running (pid $(cat "$STATE/mlflow.pid")), http://$HOST:$MLFLOW_PORT"
   else say "MLflow: not running"; fi
+  say "runs directory: $RUNS; Ray sessions under $RAY_TMP"
 }
 
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
   status) status ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  clean) clean ;;
+  *) echo "usage: $0 start|stop|status|clean" >&2; exit 2 ;;
 esac

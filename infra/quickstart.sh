@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One command on a fresh machine: install, start a local Ray head (+ MLflow) on 127.0.0.1, and submit the
-# DetailCaps job with `ray job submit`. The job streams its progress and ends with the per-method summary
-# (fidelity, refresh fraction) and the locations of the Parquet output and the MLflow runs.
+# DetailCaps job to it (infra/submit.py, Ray's job submission API). The job streams its progress and ends with the
+# per-method summary (fidelity, refresh fraction), the Parquet output, the MLflow UI's URLs and the MLflow store.
 #
 #   bash infra/quickstart.sh                  # embedded model + embedded synthetic shards, first 8 samples
 #   bash infra/quickstart.sh --limit 50 --num-actors 2 --max-new-tokens 256   # any jobs/detailcaps.py flag
 #   infra/local_cluster.sh stop               # when done
+#   infra/local_cluster.sh clean              # stop, then remove the runs directory and the project's Ray sessions
 #
 # Environment: PYTHON (default python3), RCR_SKIP_INSTALL=1 (use the active environment as is),
 # RCR_RUNS_DIR (default ~/rcr-runs), and the ports of infra/local_cluster.sh (RCR_*_PORT, see its header and
@@ -39,14 +40,14 @@ source "$RUNS/local-cluster/env"
 
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(--limit 8)
-echo "[quickstart] ray --logging-level warning job submit --address $RAY_ADDRESS --working-dir . --runtime-env infra/runtime_env.yaml -- python jobs/detailcaps.py ${args[*]} --mlflow-uri $MLFLOW_TRACKING_URI"
-# infra/runtime_env.yaml names what the working directory is packaged without (with the override below, Ray's own
-# default list, which prints a notice per directory, is off); the CLI's INFO lines (packaging, upload) stay out
-if ! RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES='' ray --logging-level warning job submit --address "$RAY_ADDRESS" \
-  --working-dir . --runtime-env infra/runtime_env.yaml \
-  -- python jobs/detailcaps.py "${args[@]}" --mlflow-uri "$MLFLOW_TRACKING_URI"; then
+echo "[quickstart] submitting: python jobs/detailcaps.py ${args[*]} --mlflow-uri $MLFLOW_TRACKING_URI (to $RAY_ADDRESS)"
+# infra/submit.py: what `ray job submit --working-dir . --runtime-env infra/runtime_env.yaml` does, printing only the
+# job's own log (not the CLI's banner and status lines). infra/runtime_env.yaml names what the working directory is
+# packaged without (with the override below, Ray's own default list, which prints a notice per directory, is off).
+if ! RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES='' python infra/submit.py --address "$RAY_ADDRESS" \
+  --runtime-env infra/runtime_env.yaml -- python jobs/detailcaps.py "${args[@]}" --mlflow-uri "$MLFLOW_TRACKING_URI"; then
   echo "[quickstart] error: the job failed (its log is above). Rerunning the same command computes only the missing rows; cluster: infra/local_cluster.sh status" >&2
   exit 1
 fi
-echo "[quickstart] done: the job printed the Parquet directory above (pd.read_parquet(<dir>) reads it)."
-echo "[quickstart] MLflow UI: $MLFLOW_TRACKING_URI     stop the local cluster: infra/local_cluster.sh stop"
+echo "[quickstart] done. MLflow store: $RUNS/mlflow.db (artifacts in $RUNS/mlartifacts), served at $MLFLOW_TRACKING_URI"
+echo "[quickstart] stop the local cluster: infra/local_cluster.sh stop; remove everything this project wrote: infra/local_cluster.sh clean"

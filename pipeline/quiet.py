@@ -8,10 +8,13 @@
 * MLflow's notices that it creates or upgrades the tables of a new SQLite store (its INFO lines).
 * transformers' "Loading weights" progress bar, in each actor while it loads the model
   (:func:`quiet_model_loading`): the job's own progress line says the actors are loading.
-* Not silenced: Ray's ``Actor with class name: 'MapWorker(...)' ... has constructor arguments in the object
-  store and max_restarts > 0`` line, one per actor. Ray's own C++ core worker writes it to the driver's
-  stderr for every Ray Data actor pool with restarts on (ray-project/ray#57733, open in Ray 2.60); the job
-  needs the restarts (docs/pipeline.md, fault tolerance), and no Python logger carries the line.
+* Ray's ``Actor with class name: 'MapWorker(...)' ... has constructor arguments in the object store and
+  max_restarts > 0`` line, one per actor. Ray's C++ core worker writes it straight to the driver's stderr for
+  every Ray Data actor pool with restarts on (Ray Data passes its actors their function through the object
+  store, ray-project/ray#53727); the job needs the restarts (docs/pipeline.md, fault tolerance), and no Python
+  logger carries the line. The driver's stderr passes through :func:`stderr_without`, which drops exactly that
+  line; it stays in Ray's driver log (``<session>/logs/python-core-driver-*.log``).
+* Actors' lines reach the driver's log without ANSI colours (``RAY_COLOR_PREFIX=0``, set by the driver).
 * The map stage's actor fault-tolerance options (``max_restarts``, ``max_task_retries``) have no named
   parameter in Ray 2.60's ``map_batches``; only that one ``RayDeprecationWarning`` is filtered, around that
   call (:func:`actor_fault_tolerance`). Revisit when Ray 2.64 removes ``**ray_remote_args``.
@@ -21,9 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import subprocess
+import sys
 import warnings
 
 RAY_LOGGING_LEVEL = logging.WARNING
+RAY_ACTOR_RESTART_NOTICE = "has constructor arguments in the object store and max_restarts > 0"
 TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
 PROGRESS_OFF_NOTICE = "Progress bars disabled"
 
@@ -78,3 +85,49 @@ def actor_fault_tolerance():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`ray_remote_args` is deprecated", category=DeprecationWarning)
         yield
+
+
+# The filter process: copies its stdin to its stdout line by line, minus the lines holding one of its arguments.
+# Its own session and ignored SIGINT/SIGTERM keep it alive to the end of its input when the job is interrupted or
+# stopped (`ray job stop` signals the driver's process group), so the job's last words still come through.
+_FILTER = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+drop = [a.encode() for a in sys.argv[1:]]
+out = sys.stdout.buffer
+for line in iter(sys.stdin.buffer.readline, b""):
+    if not any(d in line for d in drop):
+        out.write(line)
+        out.flush()
+"""
+
+
+@contextlib.contextmanager
+def stderr_without(*notices: str, drain_s: float = 10.0):
+    """Inside: this process's stderr (file descriptor 2, also what Ray's C++ core worker writes to) goes through a
+    filter process that drops each line containing one of ``notices`` and passes every other line on at once.
+
+    The filter outlives a crash of this process (it ends at the end of its input), so an error written just
+    before a crash still comes out. On exit, stderr is restored and the filter is given ``drain_s`` seconds to
+    write what it holds (a child process that inherited the descriptor keeps it open longer: it is not waited
+    for). Where the filter cannot start, stderr stays as it is."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _FILTER, *notices], stdin=subprocess.PIPE, stdout=saved,
+                                stderr=saved, start_new_session=True)
+    except OSError:
+        os.close(saved)
+        yield
+        return
+    os.dup2(proc.stdin.fileno(), 2)
+    proc.stdin.close()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=drain_s)

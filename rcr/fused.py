@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -44,6 +45,25 @@ def _fake(qr, projected_t, selection, valid, kept, lse_res, scaling, mean_prob):
     return qr.new_empty(B, H, G), qr.new_empty(B, H, projected_t.shape[-1])
 
 
+def _cpp_extension():
+    """``torch.utils.cpp_extension``, imported without its CUDA probe's warning.
+
+    On a CUDA build of torch, importing the module resolves ``CUDA_HOME`` (the ``CUDA_HOME``/``CUDA_PATH``
+    variables, else ``nvcc`` on ``PATH``, else ``/usr/local/cuda``) and, on a machine or Ray worker without a
+    usable GPU, warns ``No CUDA runtime is found, using CUDA_HOME=...``. No environment avoids the probe where a
+    CUDA toolkit is installed. These kernels are C++ only (``load(..., with_cuda=False)``), so what it finds is
+    never used: its warning is dropped during the import, every other record of that logger is kept."""
+    if "torch.utils.cpp_extension" not in sys.modules:
+        log = logging.getLogger("torch.utils.cpp_extension")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            import torch.utils.cpp_extension  # noqa: F401
+        finally:
+            log.setLevel(level)
+    return sys.modules["torch.utils.cpp_extension"]
+
+
 @functools.cache
 def _extension() -> None:
     """Build (or find in the cache) and load the library, which registers the torch.ops.rcr ops.
@@ -51,8 +71,7 @@ def _extension() -> None:
     The library is named after a hash of its sources and flags, and built from a copy of the sources kept in its
     own build directory: two checkouts of the same source share one build instead of rebuilding each other's
     (ninja rebuilds when a source path changes), and an edited source gets a build of its own."""
-    from torch.utils.cpp_extension import _get_build_directory, load
-
+    ext = _cpp_extension()
     cap = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     flags = ["-O3"]
     if cap in ("AVX2", "AVX512"):  # ATen's 8-lane float vectors (its AVX2 build, as Inductor's CPU kernels use)
@@ -60,7 +79,7 @@ def _extension() -> None:
     files = {f: (CSRC / f).read_bytes() for f in (*SOURCES, "detector_pass.h")}
     digest = hashlib.sha256(b"".join(f.encode() + code for f, code in files.items()) + repr(flags).encode())
     name = f"rcr_ops_{digest.hexdigest()[:12]}"
-    build = Path(_get_build_directory(name, False))
+    build = Path(ext._get_build_directory(name, False))
     build.mkdir(parents=True, exist_ok=True)
     for f, code in files.items():
         if not (build / f).exists() or (build / f).read_bytes() != code:
@@ -68,8 +87,8 @@ def _extension() -> None:
     if not (build / f"{name}.so").exists():
         print(f"rcr: building the fused CPU kernels (once per machine; about a minute) in {build}",
               file=sys.stderr, flush=True)
-    load(name=name, sources=[str(build / f) for f in SOURCES], extra_cflags=flags, is_python_module=False,
-         verbose=False)
+    ext.load(name=name, sources=[str(build / f) for f in SOURCES], extra_cflags=flags, is_python_module=False,
+             with_cuda=False, verbose=False)
     torch.library.register_fake("rcr::detector_pass")(_fake)
 
 

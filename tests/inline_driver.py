@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from pipeline.run import driver, store
 from pipeline.run.actor import SampleEvaluator
+from pipeline.run.select import select_planned
 from pipeline.schema import INPUT_SCHEMA
 
 
@@ -44,7 +45,7 @@ class InlineDataset:
         ev = SampleEvaluator(actor_cfg, config_hash=self.cfg.config_hash, calibration=self.calibration_payload)
         bs = self.cfg.batch_size
         for path in self.paths:
-            table = driver._select(pq.read_table(path, columns=list(INPUT_SCHEMA.names)), self.plan.todo,
+            table = select_planned(pq.read_table(path, columns=list(INPUT_SCHEMA.names)), self.plan.todo,
                                    self.plan.dup_accept)
             for i in range(0, table.num_rows, bs):
                 yield ev(table.slice(i, bs))

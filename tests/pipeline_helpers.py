@@ -24,11 +24,35 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 RAY = str(Path(PY).parent / "ray")
+
+
+# ---------------------------------------------------------------------- a job's output
+
+# Lines that are not the project's own in a job's output (issue: a first-hour user's quickstart printed each kind).
+NOISE = {
+    "ANSI colour code": re.compile(r"\x1b\["),
+    "Ray log record (INFO/SUCC/DEBUG/WARNING)": re.compile(r"^\S+ \S+\t(INFO|SUCC|DEBUG|WARNING) "),
+    "Ray CLI banner": re.compile(r"Next steps|submitted successfully|Tailing logs until"),
+    "actor-restart notice": re.compile(r"max_restarts > 0"),
+    "Ray Data memory warning": re.compile(r"memory per worker|logical memory was"),
+    "CUDA_HOME probe": re.compile(r"No CUDA runtime is found"),
+    "glog-style info/warning line": re.compile(r"^[IW]\d{4} \d\d:\d\d:\d\d"),
+    "Python warning": re.compile(r"Warning|Deprecat"),
+}
+
+
+def noise_lines(text: str) -> dict[str, list[str]]:
+    """{kind: lines} of every line of ``text`` that matches a kind of noise (empty: only the project's lines)."""
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        for kind, pattern in NOISE.items():
+            if pattern.search(line):
+                found.setdefault(kind, []).append(line)
+    return found
 
 
 # ---------------------------------------------------------------------- shards
@@ -359,11 +383,10 @@ class LocalRayHead:
 
     def submit(self, args: list[str], cwd: Path = REPO, timeout: float = 600, wait: bool = True,
                runtime_env: dict | None = None) -> subprocess.CompletedProcess | subprocess.Popen:
-        # as infra/quickstart.sh submits: infra/runtime_env.yaml's excludes (plus ``runtime_env``)
-        env = {**yaml.safe_load((REPO / "infra" / "runtime_env.yaml").read_text()), **(runtime_env or {})}
-        cmd = [RAY, "--logging-level", "warning", "job", "submit", "--address", self.address, "--working-dir", ".",
-               "--runtime-env-json", json.dumps(env)]
-        cmd += ["--", "python", *args]
+        # as infra/quickstart.sh submits (infra/submit.py): infra/runtime_env.yaml's excludes (plus ``runtime_env``)
+        cmd = [PY, str(REPO / "infra" / "submit.py"), "--address", self.address, "--runtime-env",
+               str(REPO / "infra" / "runtime_env.yaml"), "--runtime-env-json", json.dumps(runtime_env or {}),
+               "--", "python", *args]
         if wait:
             return subprocess.run(cmd, check=False, cwd=cwd, env=self.env(), capture_output=True, text=True,
                                   timeout=timeout)

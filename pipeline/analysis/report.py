@@ -23,11 +23,10 @@ def _fmt_ci(mean, lo, hi, signed=False, digits=3) -> str:
 
 
 def _fmt_num(x, digits=3) -> str:
+    """One format per column, whatever the magnitude (``970.3``, ``1095.0``): no thousands separator."""
     if x is None or pd.isna(x):
         return "-"
-    if abs(x) >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}f}" if abs(x) < 10 else f"{x:.1f}"
+    return f"{x:.{digits}f}"
 
 
 def _method_table(g: pd.DataFrame, conf: int) -> list[str]:

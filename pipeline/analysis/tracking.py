@@ -10,7 +10,8 @@ What it writes, per job:
 
 * one **parent run** (``rcr.role=parent``): params (the flattened config, model, dataset, git commit,
   metric definitions, bootstrap settings), the config as ``config.json``, the dataset as an MLflow
-  dataset input, the summary table as the run's description, parent-level metrics (counts, top-position
+  dataset input, the summary table as the run's description, parent-level metrics (each method's fidelity and
+  CI as ``fidelity/<method>``, ``fidelity_ci_low/<method>``, ``fidelity_ci_high/<method>``; counts, top-position
   stability, Spearman correlations), the tuned-fixed comparison (``tuned_fixed.*`` params and metrics: τ*,
   ``rcr − fixed(τ*)`` on the test half and ``rcr −`` the fixed-τ frontier, with CIs), and artifacts:
   ``plots/*.png``, ``tables/per_sample.parquet`` (+csv),
@@ -30,6 +31,9 @@ nothing and returns that run's id. Otherwise the new set of runs is logged first
 (``rcr.complete=1``), and only then are all older runs with the same key deleted, so a crash at any
 point leaves at most one complete set, and the next call cleans up. ``jobs/backfill_mlflow.py`` uses
 the same function to rebuild the runs from a Parquet output directory.
+
+The experiment is tagged as model development, and the URLs printed open the UI on the runs
+(``pipeline/analysis/mlflow_ui.py``).
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline.analysis import fixed_tuning, report
+from pipeline.analysis import fixed_tuning, mlflow_ui, report
 from pipeline.analysis.analyze import Analysis, analyze
 from pipeline.analysis.labels import order_methods
 from pipeline.analysis.telemetry import refresh_by_step
@@ -62,7 +66,7 @@ __all__ = ["log_job", "check_tracking_server", "job_key", "data_fingerprint", "r
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "rcr-eval"
-TRACKING_VERSION = "2"  # bump when what is logged changes: existing runs are then replaced, not skipped
+TRACKING_VERSION = "3"  # bump when what is logged changes: existing runs are then replaced, not skipped
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TAG_KEY = "rcr.job_key"
@@ -144,6 +148,7 @@ def _experiment_id(client, name: str, tracking_uri: str) -> str:
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
+        mlflow_ui.mark_experiment_kind(client, exp)
         return exp.experiment_id
     artifact_location = None
     if tracking_uri.startswith("sqlite:///") and not tracking_uri.endswith(":memory:"):
@@ -151,11 +156,13 @@ def _experiment_id(client, name: str, tracking_uri: str) -> str:
         db = Path(tracking_uri[len("sqlite:///"):])
         artifact_location = (db.parent / "mlartifacts").resolve().as_uri()
     try:
-        return client.create_experiment(name, artifact_location=artifact_location)
+        return client.create_experiment(name, artifact_location=artifact_location,
+                                        tags={mlflow_ui.EXPERIMENT_KIND_TAG: mlflow_ui.EXPERIMENT_KIND})
     except Exception:  # created concurrently
         exp = client.get_experiment_by_name(name)
         if exp is None:
             raise
+        mlflow_ui.mark_experiment_kind(client, exp)
         return exp.experiment_id
 
 
@@ -318,6 +325,7 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     if done is not None:
         if verbose:
             print(f"[mlflow] job already logged (parent run {done}, key {key}); nothing to do")
+            _print_ui(tracking_uri, exp_id, done, key)
         return done
 
     if analysis is None:
@@ -331,8 +339,14 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     if verbose:
         what = f"replaced {n_del} older run(s)" if n_del else "new"
         print(f"[mlflow] logged job '{job_name}' to {tracking_uri}, experiment '{experiment}': parent run "
-              f"{parent_id} ({what}); UI: {ui_hint(tracking_uri, exp_id, parent_id)}")
+              f"{parent_id} ({what})")
+        _print_ui(tracking_uri, exp_id, parent_id, key)
     return parent_id
+
+
+def _print_ui(tracking_uri: str, exp_id: str, parent_id: str, key: str) -> None:
+    for line in mlflow_ui.ui_lines(tracking_uri, exp_id, parent_id, key):
+        print(f"[mlflow] {line}")
 
 
 def _complete_parent(client, existing: list, fp: str) -> str | None:
@@ -393,16 +407,6 @@ def check_tracking_server(uri: str) -> None:
         raise ConnectionError(f"the tracking server {uri} does not answer ({e})") from None
 
 
-def ui_hint(tracking_uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
-    """How to browse ``tracking_uri`` (at ``run_id`` when given): a tracking server is its own UI, so its
-    run page's URL; a store needs ``mlflow ui`` on it."""
-    if re.match(r"https?://", tracking_uri):
-        if run_id:
-            return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-        return f"open {tracking_uri} in a browser"
-    return f"mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1"
-
-
 def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, summary: str, adir: Path, *,
              key: str, fp: str, job_name: str, output_dir: str | None, tracking_uri: str, rho: float) -> str:
     """One parent run (params, dataset, metrics, artifacts), then one child run per (model, method)."""
@@ -454,10 +458,16 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
 
 
 def _parent_metrics(a: Analysis, multi: bool) -> dict[str, Any]:
-    """Counts, top-position stability and Spearman correlations (suffixed by model when there are several)."""
-    pm: dict[str, Any] = {"n_rows": a.meta.get("n_rows"), "n_samples": a.meta.get("n_samples"),
-                          "n_error_rows": a.meta.get("n_error_rows"),
-                          "n_samples_without_full": a.meta.get("n_samples_without_full")}
+    """Each method's fidelity and CI (``fidelity/<method>``: the runs page of the parent shows them without
+    opening a method's run), counts, top-position stability and Spearman correlations (suffixed by model when
+    there are several)."""
+    pm: dict[str, Any] = {}
+    for _, r in a.methods.iterrows():
+        sfx = f".{r.model}" if multi else ""
+        for name in ("fidelity", "fidelity_ci_low", "fidelity_ci_high"):
+            pm[f"{name}/{r.method}{sfx}"] = r[name]
+    pm |= {"n_rows": a.meta.get("n_rows"), "n_samples": a.meta.get("n_samples"),
+           "n_error_rows": a.meta.get("n_error_rows"), "n_samples_without_full": a.meta.get("n_samples_without_full")}
     for _, s in a.stability.iterrows():
         sfx = f".{s.model}" if multi else ""
         pm[f"top_pos_unchanged_fraction{sfx}"] = s.fraction_unchanged

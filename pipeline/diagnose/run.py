@@ -23,7 +23,8 @@ from pipeline.analysis.analyze import analyze
 from pipeline.analysis.labels import BACON, EXACT, FIXED, FULL, PREFILL_ORACLE
 from pipeline.diagnose import premises
 from pipeline.run import driver
-from pipeline.run.config import ConfigError, JobConfig, build_arg_parser, model_slug
+from pipeline.run.cli import build_arg_parser
+from pipeline.run.config import ConfigError, JobConfig, model_slug
 from pipeline.run.store import OutputStore
 
 METHODS = (FULL, BACON, PREFILL_ORACLE, EXACT, FIXED)  # what the figures need

@@ -26,11 +26,11 @@ import pyarrow as pa
 from pipeline.data.images import BadInput, load_sample_images
 from pipeline.quiet import quiet_model_loading
 from pipeline.run.config import JobConfig, default_max_new_tokens
+from pipeline.run.select import METHODS_COLUMN  # optional input column: the methods still missing (resume)
 from pipeline.schema import TASKS, JobStamp, error_rows, output_row, output_table
 
 log = logging.getLogger(__name__)
 
-METHODS_COLUMN = "_methods"  # optional input column: the methods still missing for this sample (resume)
 BAD_TEXT_KEY = "_bad_text"  # set on a row (by table_rows) whose string field is not valid UTF-8: its name
 
 

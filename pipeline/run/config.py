@@ -12,7 +12,6 @@ driver inside a temporary copy of the repository, so a relative path would be lo
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import hashlib
@@ -111,6 +110,8 @@ class JobConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None, *, task: str | None = None) -> JobConfig:
         """Parse flags (and ``--config file.yaml``); ``task`` is the entry point's fixed task."""
+        from pipeline.run.cli import build_arg_parser
+
         parser = build_arg_parser(task)
         ns = parser.parse_args(argv)
         overrides: dict[str, Any] = {}
@@ -373,73 +374,3 @@ def _parse_kv_list(items: list[str]) -> dict[str, Any]:
         k, v = item.split("=", 1)
         out[k.strip()] = yaml.safe_load(v)
     return out
-
-
-def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
-    """Flags default to None so that a ``--config`` file's values win over unset flags; each help text
-    states the real default (what :meth:`JobConfig.validate` fills in)."""
-    what = task or "the"
-    runs = default_runs_root()
-    d = JobConfig()
-    tokens = ", ".join(f"{t} {n}" for t, n in DEFAULT_MAX_NEW_TOKENS.items() if task in (None, t))
-    p = argparse.ArgumentParser(
-        description=f"Run {what} evaluation job: every method on every sample, one Parquet row per (sample, method).",
-    )
-    p.add_argument("--config", help="YAML file of JobConfig fields; flags override it (default: none)")
-    if task is None:
-        p.add_argument("--task", choices=TASKS, help=f"which task (default: {d.task})")
-    p.add_argument("--model", help="'embedded' (the small synthetic-scene model shipped in rcr/embedded_model), "
-                   "a local checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct (default: embedded)")
-    p.add_argument("--shards", nargs="+", help="Parquet shard files/dirs/globs in the input schema, or 'embedded': "
-                   f"the synthetic shards, generated once under {runs / 'shards'} (default: embedded)")
-    p.add_argument("--dataset", help="instead of --shards: NAME[:split], the task's Hugging Face dataset by name "
-                   "(foundation-multimodal-models/DetailCaps-4870, lmms-lab/TextCaps, or the task name) at its "
-                   "pinned revision, or a local save_to_disk directory or Parquet file/folder of it; converted in "
-                   f"full once, into {runs / 'datasets'} (default: none; the split defaults to the pinned one)")
-    p.add_argument("--methods", help="comma-separated method labels, or 'all': "
-                   f"{', '.join(available_methods())}; 'fixed@TAU' runs fixed with that tau "
-                   "(e.g. fixed@0.05,fixed@0.10 for a sweep); full is always run (default: all)")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int,
-                   help=f"generated tokens per sample and method, at most (default: {tokens})")
-    p.add_argument("--limit", type=int, help="first N input rows, in shard order (default: every row)")
-    p.add_argument("--batch-size", dest="batch_size", type=int,
-                   help=f"samples per model call (left-padded) and per Ray batch (default: {d.batch_size})")
-    p.add_argument("--num-actors", dest="num_actors", type=int,
-                   help=f"model actors, each holding one copy of the model (default: {d.num_actors})")
-    p.add_argument("--output-dir", dest="output_dir",
-                   help=f"Parquet output directory (default: {runs}/<job name>)")
-    p.add_argument("--mlflow-uri", dest="mlflow_uri",
-                   help=f"MLflow tracking URI (default: sqlite:///{runs / 'mlflow.db'})")
-    p.add_argument("--experiment", help=f"MLflow experiment (default: {d.experiment})")
-    p.add_argument("--job-name", dest="job_name", help="names the output dir and the MLflow parent run "
-                   "(default: <task>-<model name>, e.g. detailcaps-embedded)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"),
-                   help=f"where each actor runs the model; auto: cuda when the actor has a GPU (default: {d.device})")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                   help=f"model dtype; auto: bfloat16 on GPU, float32 on CPU (default: {d.dtype})")
-    p.add_argument("--gpus-per-actor", dest="gpus_per_actor", type=float,
-                   help="GPUs per actor (default: 1 where the cluster has GPUs, else 0)")
-    p.add_argument("--cpus-per-actor", dest="cpus_per_actor", type=float,
-                   help="CPUs per actor (default: 1 with GPUs; on CPU-only clusters what leaves 1 CPU for the readers)")
-    p.add_argument("--torch-threads", dest="torch_threads", type=int,
-                   help="torch threads per actor (default: 1 on CPU, 4 with a GPU)")
-    p.add_argument("--max-restarts", dest="max_restarts", type=int,
-                   help=f"restarts of a dead actor, -1 unlimited (default: {d.max_restarts})")
-    p.add_argument("--max-task-retries", dest="max_task_retries", type=int,
-                   help=f"retries of a batch whose actor died (default: {d.max_task_retries})")
-    p.add_argument("--max-image-pixels", dest="max_image_pixels", type=int,
-                   help=f"larger images become error rows (decompression-bomb guard) (default: {d.max_image_pixels})")
-    p.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None,
-                   help="allow a hub model's own code (default: off)")
-    p.add_argument("--rcr", action="append", metavar="KEY=VALUE",
-                   help="an rcr.RCRConfig field, repeatable (default: the paper's values, and record_attention=true)")
-    p.add_argument("--ray-address", dest="ray_address",
-                   help="Ray cluster to join; 'auto' joins a running one (default: the cluster of `ray job submit`, "
-                        "else a private local Ray)")
-    p.add_argument("--engine",
-                   help=f"model backend: 'rcr' or module:Class (tests, other backends) (default: {d.engine})")
-    p.add_argument("--progress-every-s", dest="progress_every_s", type=float,
-                   help=f"seconds between progress lines (default: {d.progress_every_s:g})")
-    p.add_argument("--no-summary", dest="summary", action="store_false", default=None,
-                   help="skip the per-method summary and the MLflow logging at the end (default: both run)")
-    return p

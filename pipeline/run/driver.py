@@ -36,11 +36,11 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline import preflight, quiet
-from pipeline.analysis import report, tracking
+from pipeline.analysis import mlflow_ui, report, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.data import convert, shards, synthetic
-from pipeline.run import calibration
-from pipeline.run.actor import METHODS_COLUMN, SampleEvaluator
+from pipeline.run import calibration, ray_local
+from pipeline.run.actor import SampleEvaluator
 from pipeline.run.config import (
     EMBEDDED,
     REPO_ROOT,
@@ -48,12 +48,12 @@ from pipeline.run.config import (
     JobConfig,
     default_runs_root,
 )
+from pipeline.run.select import select_planned
 from pipeline.run.store import (
     CORRUPT_DIR,
     OutputStore,
     PartWriteError,
     Plan,
-    fingerprint_row,
     make_plan,
     new_run_id,
     read_rows,
@@ -63,6 +63,12 @@ from pipeline.run.store import (
 from pipeline.schema import INPUT_SCHEMA, JobStamp, error_rows, output_table
 
 READER_CPUS = 0.25  # read/select tasks are light; small CPU requests keep them schedulable beside the actors
+# Memory a read/select task asks for. Ray Data's high-memory detector warns when a stage's workers use more than
+# they asked for (asked for nothing, a 0.25-CPU task counts as asking for 0.6 GiB) or, at the end, more than 4/5 of
+# it. Measured: up to 0.88 GiB (USS, the object-store pages it wrote included) per read worker on the embedded
+# shards (files of 123 MiB), with the read function in a module that does not import torch (pipeline/run/select.py;
+# importing torch adds 0.45 GiB). Capped at a quarter of the cluster's memory, so that it stays schedulable.
+READER_MEMORY = 1536 * 2**20
 DATA_RESERVE_CPUS = 1.0  # Ray Data's file-listing task asks for 1 CPU; CPU-only actors leave room for it
 MLFLOW_FAILED_EXIT = 3  # the Parquet output is complete but MLflow logging failed (jobs/backfill_mlflow.py)
 
@@ -156,26 +162,12 @@ def resolve_calibration(cfg: JobConfig, inputs: tuple) -> calibration.Calibratio
 # ---------------------------------------------------------------------- Ray stages
 
 
-def _select(batch: pa.Table, todo: dict[str, list[str]], dup_accept: dict[str, str]) -> pa.Table:
-    """Keep planned rows only (the first occurrence of a duplicated id); tag each with its missing methods."""
-    ids = batch.column("sample_id").to_pylist()
-    keep, methods = [], []
-    for i, sid in enumerate(ids):
-        ok = sid in todo
-        if ok and sid in dup_accept:
-            ok = fingerprint_row(batch.slice(i, 1).to_pylist()[0]) == dup_accept[sid]
-        if ok:
-            keep.append(i)
-            methods.append(todo[sid])
-    out = batch.take(pa.array(keep, pa.int64()))
-    return out.append_column(METHODS_COLUMN, pa.array(methods, pa.list_(pa.string())))
-
-
 def _ray_init(cfg: JobConfig):
     if not cfg.ray_address and not os.environ.get("RAY_ADDRESS"):
         # a private cluster (below): Ray resolves 127.0.0.1 to the machine's network address, and binds its
         # GCS, raylet and workers there, unless this is 0 (read when ray is first imported)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # actors' lines reach the driver's log without ANSI colours
     import ray
 
     if ray.is_initialized():
@@ -192,10 +184,11 @@ def _ray_init(cfg: JobConfig):
             import secrets
 
             os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True,
-                 logging_level=quiet.RAY_LOGGING_LEVEL,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                     p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}})
+        ctx = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True,
+                       logging_level=quiet.RAY_LOGGING_LEVEL, _temp_dir=ray_local.ray_temp_dir(),
+                       runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                           p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}})
+        ray_local.record_session(ctx.address_info["session_dir"])  # for `infra/local_cluster.sh clean`
     return ray
 
 
@@ -231,14 +224,21 @@ def actor_resources(cfg: JobConfig, cluster: dict[str, float]) -> dict[str, floa
     return {"num_gpus": float(n_gpu), "num_cpus": float(round(n_cpu, 3)), "torch_threads": int(threads)}
 
 
+def reader_memory(cluster: dict[str, float]) -> int:
+    """Bytes of memory each read/select task asks for (``READER_MEMORY``, at most a quarter of the cluster's)."""
+    total = cluster.get("memory")
+    return int(min(READER_MEMORY, total / 4)) if total else READER_MEMORY
+
+
 def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: dict[str, float],
                    calibration_payload: dict | None = None):
     ctx = ray.data.DataContext.get_current()
     ctx.max_errored_blocks = 0
     quiet.quiet_ray_data(ctx)  # the job prints its own progress line (_Progress)
-    ds = ray.data.read_parquet(paths, columns=list(INPUT_SCHEMA.names), num_cpus=READER_CPUS)
-    ds = ds.map_batches(_select, fn_kwargs={"todo": plan.todo, "dup_accept": plan.dup_accept},
-                        batch_format="pyarrow", batch_size=None, num_cpus=READER_CPUS)
+    read = {"num_cpus": READER_CPUS, "memory": reader_memory(ray.cluster_resources())}
+    ds = ray.data.read_parquet(paths, columns=list(INPUT_SCHEMA.names), **read)
+    ds = ds.map_batches(select_planned, fn_kwargs={"todo": plan.todo, "dup_accept": plan.dup_accept},
+                        batch_format="pyarrow", batch_size=None, **read)
     ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
     actor_cfg = cfg.to_dict()
     actor_cfg["torch_threads"] = res["torch_threads"]
@@ -465,7 +465,9 @@ def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     if cfg.summary:
         out.update(summarize(cfg, store))
     say(f"Parquet: {cfg.output_dir}  (pandas: pd.read_parquet({cfg.output_dir!r}))")
-    say(f"MLflow runs: {cfg.mlflow_uri}  (UI: {tracking.ui_hint(cfg.mlflow_uri)})")
+    db = mlflow_ui.store_path(cfg.mlflow_uri)
+    where = f"store: {db}" if db else "a tracking server: its own UI"
+    say(f"MLflow runs: {cfg.mlflow_uri}  ({where})")
     return out
 
 
@@ -508,7 +510,8 @@ def main(task: str | None, argv: list[str] | None = None) -> int:
     """Entry point shared by jobs/*.py: parse + validate the config, run, exit non-zero on failure."""
     try:
         cfg = JobConfig.from_args(argv, task=task)
-        result = run(cfg)
+        with quiet.stderr_without(quiet.RAY_ACTOR_RESTART_NOTICE):
+            result = run(cfg)
     except ConfigError as e:
         print(f"[rcr-job] {e}", file=sys.stderr, flush=True)
         return 2

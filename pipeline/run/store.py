@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import glob
-import hashlib
 import json
 import os
 import socket
@@ -33,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.run.config import ConfigError
+from pipeline.run.select import fingerprint_row
 from pipeline.schema import INPUT_SCHEMA, type_matches
 from rcr.fileio import atomic_path, atomic_write_text
 
@@ -235,19 +235,6 @@ def check_shard_schema(path: str) -> pa.Schema:
         if not type_matches(got, f.type):
             raise ConfigError("shards", f"{path}: column '{f.name}' has type {got}, expected {f.type}")
     return schema
-
-
-def fingerprint_row(row: dict) -> str:
-    """Content hash of one input row (to tell the kept occurrence of a duplicated id from the others)."""
-    h = hashlib.sha1()
-    for k in ("task", "prompt", "source"):
-        h.update(repr(row.get(k)).encode())
-    for img in row.get("images") or []:
-        h.update(len(img or b"").to_bytes(8, "little"))
-        h.update(img or b"")
-    for r in row.get("references") or []:
-        h.update(repr(r).encode())
-    return h.hexdigest()
 
 
 def scan_shards(paths: list[str], limit: int | None) -> tuple[list[ShardRow], dict[str, str]]:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from pipeline.run.config import JobConfig
-from tests.pipeline_helpers import PY, REPO, free_port, synthetic_records, write_shard
+from tests.pipeline_helpers import PY, REPO, free_port, noise_lines, synthetic_records, write_shard
 
 RAYJOB = REPO / "infra" / "kuberay-rayjob.yaml"
 JOBS = ("detailcaps", "textcaps", "video")
@@ -179,12 +179,13 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
         log = r.stdout + r.stderr
         assert r.returncode == 0, log[-6000:]
         assert "RAY_AUTH_MODE=token" in (state / "env").read_text()
-        assert "ray job submit" in log and "[rcr-job] progress:" in log and "fidelity" in log
-        assert "is now ignored by default" not in log  # infra/runtime_env.yaml names the excludes
+        assert "[quickstart] submitting:" in log and "[rcr-job] progress:" in log and "fidelity" in log
+        assert noise_lines(log) == {}  # only the project's lines: tests/integration/test_job_output.py
         mlflow_url = f"http://127.0.0.1:{env['RCR_MLFLOW_PORT']}"
         assert f"Parquet: {out}" in log and f"MLflow runs: {mlflow_url}" in log
-        # a tracking server is its own UI: the parent run's URL once, not MLflow's two lines per run
-        assert f"UI: {mlflow_url}/#/experiments/" in log and "View run" not in log
+        # a tracking server is its own UI: the job's URLs once, not MLflow's two lines per run; then the store
+        assert f"[mlflow] UI, this job's runs by fidelity: {mlflow_url}/#/experiments/" in log and "View run" not in log
+        assert f"[quickstart] done. MLflow store: {runs / 'mlflow.db'}" in log
         import pandas as pd
 
         df = pd.read_parquet(out)
@@ -211,6 +212,12 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
         except OSError:
             pass
     assert not left, f"processes of the stopped cluster still run: {left}"
+    # its head's session was listed; `clean` removes it with the runs directory (and the temp dir, now empty)
+    sessions = (runs / "ray-sessions").read_text().split()
+    assert len(sessions) == 1 and Path(sessions[0]).parent == Path(env["RCR_RAY_TMP"]), sessions
+    r = subprocess.run(["bash", script, "clean"], check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not runs.exists() and not Path(env["RCR_RAY_TMP"]).exists(), r.stdout
 
 
 LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
@@ -225,7 +232,8 @@ def test_a_plain_python_job_listens_on_loopback_only(tmp_path):
     shards = write_shard(tmp_path / "shards" / "s.parquet", synthetic_records("detailcaps", 2))
     out, gate = tmp_path / "out", tmp_path / "gate"
     ray_tmp = f"/tmp/rcrl{os.getpid()}_{free_port()}"  # short: Ray's socket paths have a length limit
-    env = dict(os.environ, RCR_TEST_GATE=str(gate), RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
+    env = dict(os.environ, RCR_TEST_GATE=str(gate), RCR_RAY_TMP=ray_tmp, RCR_RUNS_DIR=str(tmp_path / "runs"),
+               PYTHONPATH=str(REPO))
     for k in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
         env.pop(k, None)
     job = subprocess.Popen(
@@ -250,6 +258,9 @@ def test_a_plain_python_job_listens_on_loopback_only(tmp_path):
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert job.returncode == 0, log[-4000:]
     assert len(pq.read_table(out)) == 2 * 2
+    # its session went to the project's temp dir, and is listed for `local_cluster.sh clean`
+    sessions = (tmp_path / "runs" / "ray-sessions").read_text().split()
+    assert len(sessions) == 1 and Path(sessions[0]).parent == Path(ray_tmp)
 
 
 def _cluster_env(runs: Path) -> dict:
@@ -320,3 +331,40 @@ def test_local_cluster_start_names_a_busy_port_and_its_holder_in_one_line(tmp_pa
     assert f"port {port} (agent_http, set by RCR_AGENT_HTTP_PORT) is in use by pid {os.getpid()} " in lines[0]
     assert "RCR_AGENT_HTTP_PORT to another port" in lines[0]
     assert not (tmp_path / "runs" / "local-cluster" / "ray.pid").exists()  # nothing was started
+
+
+def test_clean_removes_the_projects_sessions_and_runs_dir_and_nothing_else(tmp_path):
+    """`local_cluster.sh clean`: the Ray sessions listed in the runs directory go, then the runs directory; a
+    session of another runs directory in the same temp dir, and another Ray root (as /tmp/ray), stay. A listed
+    session that a running process still uses stops the whole clean-up before anything is removed."""
+    project_tmp, other_root, runs = tmp_path / "rcr-ray", tmp_path / "ray", tmp_path / "runs"
+    ours_a, ours_b = project_tmp / "session_a", project_tmp / "session_b"
+    theirs, shared = project_tmp / "session_c", other_root / "session_d"
+    for d in (ours_a, ours_b, theirs, shared):
+        (d / "logs").mkdir(parents=True)
+    (project_tmp / "session_latest").symlink_to(ours_b)
+    (runs / "detailcaps-embedded").mkdir(parents=True)
+    (runs / "ray-sessions").write_text(f"{ours_a}\n{ours_b}\n")
+    env = _cluster_env(runs)
+    env["RCR_RAY_TMP"] = str(project_tmp)
+    clean = ["bash", str(REPO / "infra" / "local_cluster.sh"), "clean"]
+    user = subprocess.Popen([PY, "-c", "import sys; sys.stdin.read()", f"--session-dir={ours_b}"],
+                            stdin=subprocess.PIPE)  # names its session as Ray's processes do
+    try:
+        r = subprocess.run(clean, env=env, capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        user.stdin.close()
+        user.wait(timeout=60)
+    assert r.returncode == 1 and f"{ours_b} is in use by pid(s) {user.pid}" in r.stderr, r.stdout + r.stderr
+    assert all(p.exists() for p in (ours_a, ours_b, runs, theirs, shared))
+
+    r = subprocess.run(clean, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not ours_a.exists() and not ours_b.exists() and not runs.exists()
+    assert theirs.is_dir() and shared.is_dir() and not (project_tmp / "session_latest").is_symlink()
+    # once the last session of the temp dir is the project's, the temp dir goes with it
+    runs.mkdir()
+    (runs / "ray-sessions").write_text(f"{theirs}\n")
+    r = subprocess.run(clean, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not project_tmp.exists() and not runs.exists() and shared.is_dir()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import uuid
@@ -200,3 +201,12 @@ def test_bad_inputs_become_error_rows(head, real_model, tmp_path):
             assert rows["error"].notna().all() and rows["error"].str.contains(err, regex=False).all(), (
                 sid, rows["error"].tolist())
             assert rows["output_text"].isna().all()
+
+
+def test_a_failed_submitted_job_reports_its_error(head, tmp_path):
+    """As the quickstart submits (infra/submit.py): the job's own error line reaches the output, Ray's reason
+    follows on stderr, and the exit status is 1."""
+    r = head.submit(["jobs/detailcaps.py", "--methods", "full,warp_drive", "--output-dir", str(tmp_path / "out")])
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "config error: field 'methods': unknown method 'warp_drive'" in r.stdout + r.stderr
+    assert re.search(r"\[submit\] job \S+ failed: ", r.stderr), r.stderr

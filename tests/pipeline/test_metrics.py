@@ -253,6 +253,17 @@ def test_format_summary(analysis):
     assert "errors:" in txt and "rouge-score" in txt and "terciles" in txt
 
 
+def test_summary_columns_keep_one_number_format():
+    """tok/s (and reads/step) print with one decimal whatever their size: 970.3 next to 1095.0, not 1,095."""
+    df = make_output_frame(n_samples=6, methods=("full", "bacon", "rcr"))
+    df["tokens_per_s"] = df.method.map({"full": 970.3, "bacon": 1095.0, "rcr": 12.34})
+    txt = format_summary(analyze(df, bootstrap_resamples=200))
+    header = txt.splitlines()[1].split()
+    rows = {line.split()[0]: line.split() for line in txt.splitlines()[3:6]}
+    tok = {m: r[len(r) - (len(header) - header.index("tok/s"))] for m, r in rows.items()}
+    assert tok == {"full": "970.3", "bacon": "1095.0", "rcr": "12.3"}
+
+
 def test_refresh_by_step(frame):
     r = refresh_by_step(frame, "rcr")
     assert list(r.columns) == ["step", "refresh_rate", "tau_mean", "n_samples"]

@@ -97,7 +97,7 @@ def test_config_hash_follows_a_local_models_weights(tmp_path):
 
 
 def test_help_lists_every_registered_method():
-    from pipeline.run.config import build_arg_parser
+    from pipeline.run.cli import build_arg_parser
     from rcr.methods import METHODS
 
     text = " ".join(build_arg_parser("detailcaps").format_help().split())  # undo argparse's line wrapping

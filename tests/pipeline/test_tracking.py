@@ -5,12 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.analysis import tracking
+from pipeline.analysis import mlflow_ui, tracking
 from tests.fake_output import make_output_frame, write_output_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,8 +185,55 @@ def test_job_key_and_uri():
     assert tracking.resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
 
 
-def test_ui_hint_points_a_server_uri_at_its_own_ui():
-    assert tracking.ui_hint("http://127.0.0.1:5000") == "open http://127.0.0.1:5000 in a browser"
-    assert tracking.ui_hint("http://127.0.0.1:5000/", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
-    hint = tracking.ui_hint("sqlite:////abs/m.db")
-    assert hint.startswith("mlflow ui --backend-store-uri sqlite:////abs/m.db") and "--host 127.0.0.1" in hint
+def test_experiment_is_tagged_as_model_development(job, tmp_path):
+    """The UI's kind for these runs: set on an experiment log_job creates, added to one it finds without a kind,
+    and left alone where someone chose another kind."""
+    c = MlflowClient(tracking_uri=job["uri"])
+    assert c.get_experiment_by_name("rcr-test").tags["mlflow.experimentKind"] == "custom_model_development"
+    uri = _store(tmp_path, "kinds.db")
+    c = MlflowClient(tracking_uri=uri)
+    art = (tmp_path / "artifacts").as_uri()  # not ./mlruns of the working directory
+    bare = c.create_experiment("bare", artifact_location=art)
+    chosen = c.create_experiment("chosen", artifact_location=art, tags={"mlflow.experimentKind": "genai_development"})
+    df = make_output_frame(n_samples=3, methods=("full", "rcr"))
+    for name in ("bare", "chosen"):
+        tracking.log_job(df=df, config={}, tracking_uri=uri, experiment=name, bootstrap_resamples=RES, verbose=False)
+    assert c.get_experiment(bare).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert c.get_experiment(chosen).tags["mlflow.experimentKind"] == "genai_development"
+
+
+def test_parent_run_carries_each_methods_fidelity_and_ci(job):
+    c, parents, children = _active_runs(job["uri"], "rcr-test")
+    pm = parents[0].data.metrics
+    for child in children:
+        label = child.info.run_name.replace("@", "_")  # MLflow metric names take no '@'
+        for name in ("fidelity", "fidelity_ci_low", "fidelity_ci_high"):
+            assert pm[f"{name}/{label}"] == pytest.approx(child.data.metrics[name]), (name, label)
+
+
+def test_ui_urls_open_the_runs_of_the_job(job, capsys):
+    """The job URL's search and sort, as MLflow's own search, give exactly the job's runs, best fidelity first;
+    every URL asks for the runs view (workflowType), which MLflow 3.17's UI reads from the URL."""
+    c, parents, children = _active_runs(job["uri"], "rcr-test")
+    exp = c.get_experiment_by_name("rcr-test").experiment_id
+    key = parents[0].data.tags["rcr.job_key"]
+    url = mlflow_ui.job_runs_url("http://127.0.0.1:5000/", exp, key)
+    route, _, query = url.partition("?")
+    assert route == f"http://127.0.0.1:5000/#/experiments/{exp}/runs"
+    q = dict(parse_qsl(query))
+    assert q["workflowType"] == "machine_learning" and q["orderByAsc"] == "false"
+    found = c.search_runs([exp], filter_string=q["searchFilter"], order_by=[f"{q['orderByKey']} DESC"])
+    assert {r.info.run_id for r in found} == {r.info.run_id for r in parents + children}
+    ranked = [r.data.metrics["fidelity"] for r in found if "fidelity" in r.data.metrics]
+    assert len(ranked) == len(children) and ranked == sorted(ranked, reverse=True)
+    pid = parents[0].info.run_id
+    assert mlflow_ui.run_url("http://h:1", exp, pid) == f"http://h:1/#/experiments/{exp}/runs/{pid}?workflowType=machine_learning"
+    assert mlflow_ui.experiment_url("sqlite:////a.db", exp).startswith(f"http://127.0.0.1:5000/#/experiments/{exp}/runs?")
+    # what log_job prints: how to serve a store, then the two URLs
+    tracking.log_job(df=pd.read_parquet(job["out"]), config=job["config"], tracking_uri=job["uri"],
+                     experiment="rcr-test", output_dir=str(job["out"]), job_name="tiny-job")
+    out = capsys.readouterr().out
+    assert f"mlflow ui --backend-store-uri {job['uri']} --host 127.0.0.1 --port 5000" in out
+    assert mlflow_ui.job_runs_url(job["uri"], exp, key) in out and mlflow_ui.run_url(job["uri"], exp, pid) in out
+    assert mlflow_ui.store_path(job["uri"]) == str(job["tmp"] / "mlflow.db")
+    assert mlflow_ui.store_path("http://127.0.0.1:5000") is None

@@ -1,0 +1,112 @@
+"""`infra/local_cluster.sh clean`: remove what the project created for one runs directory, and nothing else.
+
+    python infra/clean.py RUNS_DIR
+
+1. The Ray sessions listed in RUNS_DIR/ray-sessions: the local cluster's head sessions (infra/local_cluster.sh)
+   and the private sessions of plain `python jobs/...` runs (pipeline/run/ray_local.py). Each is a
+   `session_*` directory. If a running process names one on its command line (a job of this runs directory
+   still runs), nothing at all is removed and the exit status is 1.
+2. In the directory that held them (the project's Ray temp dir, e.g. /tmp/rcr-ray-<uid>): the links Ray keeps
+   there that point into a removed session (`session_latest`, ...), and the directory itself once nothing else
+   is left in it (but the `ray_current_cluster` file `ray start --temp-dir` writes there).
+3. RUNS_DIR itself.
+
+Other sessions in the temp dir (another runs directory's, another user's cluster) and Ray's shared /tmp/ray are
+never touched. One line is printed per thing removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+SESSIONS_FILE = "ray-sessions"  # pipeline/run/ray_local.py writes it too
+
+
+def say(msg: str) -> None:
+    print(f"[local-cluster] {msg}", flush=True)
+
+
+def recorded_sessions(runs: Path) -> list[Path]:
+    """The session directories listed for ``runs`` that still exist (a plain `session_*` directory each)."""
+    f = runs / SESSIONS_FILE
+    lines = f.read_text().split() if f.is_file() else []
+    out = []
+    for line in dict.fromkeys(lines):  # in order, once each
+        p = Path(line)
+        if p.is_absolute() and p.name.startswith("session_") and p.is_dir() and not p.is_symlink():
+            out.append(p)
+    return out
+
+
+def users_of(paths: list[Path]) -> dict[Path, list[int]]:
+    """Running processes whose command line names one of ``paths`` (Ray's GCS, raylet and workers name their
+    session directory)."""
+    marks = {p: str(p).encode() for p in paths}
+    found: dict[Path, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        for p, m in marks.items():
+            if m in cmd:
+                found.setdefault(p, []).append(int(proc.name))
+    return found
+
+
+def tidy_temp_dir(root: Path, removed: list[Path]) -> None:
+    """Links Ray keeps in the temp dir that point into a removed session (``session_latest``,
+    ``prom_metrics_service_discovery.json``), then the directory itself when nothing but Ray's
+    ``ray_current_cluster`` file is left in it."""
+    for link in root.iterdir():
+        if link.is_symlink():
+            target = Path(os.readlink(link))
+            if any(target == s or s in target.parents for s in removed):
+                link.unlink()
+    if root.is_dir() and all(c.name == "ray_current_cluster" for c in root.iterdir()):
+        shutil.rmtree(root)
+        say(f"removed {root} (nothing else was left in it)")
+
+
+def refuse_runs_dir(runs: Path) -> str | None:
+    """Why ``runs`` must not be removed whole (a root, the home directory, a directory holding this checkout)."""
+    repo = Path(__file__).resolve().parents[1]
+    if runs == Path(runs.anchor) or runs == Path.home().resolve() or repo.is_relative_to(runs):
+        return f"{runs} is not a runs directory of its own (RCR_RUNS_DIR): not removing it"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: clean.py RUNS_DIR", file=sys.stderr)
+        return 2
+    runs = Path(argv[0]).expanduser().resolve()
+    why = refuse_runs_dir(runs)
+    if why:
+        print(f"[local-cluster] error: {why}", file=sys.stderr)
+        return 1
+    sessions = recorded_sessions(runs)
+    busy = users_of(sessions)
+    if busy:
+        for p, pids in busy.items():
+            print(f"[local-cluster] error: Ray session {p} is in use by pid(s) {', '.join(map(str, pids[:5]))} "
+                  "(a job of this runs directory still runs): stop it first; nothing was removed", file=sys.stderr)
+        return 1
+    for p in sessions:
+        shutil.rmtree(p)
+        say(f"removed Ray session {p}")
+    for root in dict.fromkeys(p.parent for p in sessions):
+        tidy_temp_dir(root, sessions)
+    if runs.exists():
+        shutil.rmtree(runs)
+        say(f"removed {runs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

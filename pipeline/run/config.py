@@ -84,7 +84,9 @@ class JobConfig:
     cpus_per_actor: float | None = None  # None: 1 with GPUs; on CPU-only, what leaves room for readers
     torch_threads: int | None = None  # None: the actor's CPU share
     max_restarts: int = -1  # actor restarts (-1: unlimited)
-    max_task_retries: int = 3  # retries of a batch whose actor died
+    # retries of a batch whose actor died (-1: unlimited). Ray counts each failed call to an unreachable actor: a
+    # lost node uses up a small count before Ray marks the actor as restarting (ray-project/ray#25457)
+    max_task_retries: int = -1
     max_image_pixels: int = 50_000_000  # bigger images are bad inputs (decompression-bomb guard)
     max_image_bytes: int = 64 * 2**20
     max_frames: int = 64
@@ -426,7 +428,7 @@ def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", dest="max_restarts", type=int,
                    help=f"restarts of a dead actor, -1 unlimited (default: {d.max_restarts})")
     p.add_argument("--max-task-retries", dest="max_task_retries", type=int,
-                   help=f"retries of a batch whose actor died (default: {d.max_task_retries})")
+                   help=f"retries of a batch whose actor died, -1 unlimited (default: {d.max_task_retries})")
     p.add_argument("--max-image-pixels", dest="max_image_pixels", type=int,
                    help=f"larger images become error rows (decompression-bomb guard) (default: {d.max_image_pixels})")
     p.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None,

@@ -185,7 +185,7 @@ def _serve(spec: dict) -> None:
     # every node's temp dir is $RAY_TMPDIR/ray (Ray's default), where Cluster also writes the address file
     common = {"node_ip_address": "127.0.0.1", "num_gpus": 0, "object_store_memory": spec["object_store_mb"] * 2**20}
     cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
-        **common, "num_cpus": spec["cpus"][0], "include_dashboard": False,
+        **common, "num_cpus": spec["cpus"][0], "include_dashboard": False, "dashboard_port": free_port(),
         "dashboard_agent_listen_port": free_port(), "ray_client_server_port": free_port(),
         "_system_config": HEALTH_CHECK})
     nodes = [cluster.head_node] + [cluster.add_node(**common, num_cpus=c) for c in spec["cpus"][1:]]

@@ -415,7 +415,12 @@ def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     writer = PartWriter(store, run_id, {(k, m) for k, m in record["planned"]}, progress, t_start)
     if plan.driver_errors:
         writer.write(_driver_error_table(cfg, plan))
-    status, error = _stream(cfg, paths, plan, writer) if plan.todo else ("ok", None)
+    try:
+        status, error = _stream(cfg, paths, plan, writer) if plan.todo else ("ok", None)
+    except ConfigError as e:  # the cluster cannot run this config (no GPU, no node holds an actor): exit 2
+        record.update(status="failed", error=str(e), finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        store.write_run_record(run_id, record)
+        raise
 
     missing = writer.missing()
     if missing and status == "ok":

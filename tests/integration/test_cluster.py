@@ -16,6 +16,7 @@ output writer is the driver's: here the head (a driver joins the head's raylet),
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -166,6 +167,8 @@ def test_a_job_no_node_can_hold_fails_at_once_in_one_line(cluster3, tmp_path):
     assert "field 'cpus_per_actor'" in lines[0] and "3 actor(s) x {CPU: 2, GPU: 0}" in lines[0]
     assert "3 node(s): 3 x {CPU: 1, GPU: 0}" in lines[0]
     assert "progress:" not in r.stdout and not _parts(tmp_path / "out")  # the model stage never started
+    record = json.loads(next((tmp_path / "out" / "_runs").glob("*.json")).read_text())
+    assert record["status"] == "failed" and "cannot be placed" in record["error"]
 
 
 def test_worker_node_killed_mid_job_finishes_on_the_others(tmp_path):

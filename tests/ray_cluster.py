@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -127,6 +128,16 @@ class LocalRayCluster:
                     pids.append(int(p.name))
         return pids
 
+    def listening(self) -> list[tuple[str, int, int]]:
+        """(address, port, pid) of every TCP socket that a process of this cluster listens on (``ss -ltnpH``)."""
+        pids = set(self.own_pids()) | ({self.proc.pid} if self.proc else set())
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True, timeout=30).stdout
+        socks = []
+        for line in out.splitlines():
+            addr, _, port = line.split()[3].rpartition(":")
+            socks += [(addr.strip("[]"), int(port), int(p)) for p in re.findall(r"pid=(\d+)", line) if int(p) in pids]
+        return socks
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
@@ -179,7 +190,6 @@ def _alive(pid: int) -> bool:
 
 def _serve(spec: dict) -> None:
     import ray
-    from ray import ray_constants
     from ray.cluster_utils import Cluster
 
     # every node's temp dir is $RAY_TMPDIR/ray (Ray's default), where Cluster also writes the address file
@@ -192,7 +202,7 @@ def _serve(spec: dict) -> None:
     cluster.wait_for_nodes()
 
     def raylet_pid(node) -> int:
-        return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+        return node.all_processes["raylet"][0].process.pid  # ray_constants.PROCESS_TYPE_RAYLET
 
     def say(obj: dict) -> None:
         print(json.dumps(obj), flush=True)

@@ -207,7 +207,10 @@ def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: place
     # free and the job waits forever. V1 lists them on the driver and reads with the request given here.
     ctx.use_datasource_v2 = False
     quiet.quiet_ray_data(ctx)  # the job prints its own progress line (_Progress)
-    ds = ray.data.read_parquet(paths, columns=list(INPUT_SCHEMA.names), num_cpus=placement.READER_CPUS)
+    # one read task and block per file (the repartition below makes the batches): V1 otherwise splits each file's
+    # output into dozens of blocks in the read task, which held ~830 MB per reader on the embedded 129 MB shard
+    ds = ray.data.read_parquet(paths, columns=list(INPUT_SCHEMA.names), num_cpus=placement.READER_CPUS,
+                               override_num_blocks=len(paths))
     ds = ds.map_batches(_select, fn_kwargs={"todo": plan.todo, "dup_accept": plan.dup_accept},
                         batch_format="pyarrow", batch_size=None, num_cpus=placement.READER_CPUS)
     ds = _light_repartition(ds, cfg.batch_size)
@@ -358,9 +361,9 @@ def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter) ->
     res = placement.plan_actors(cfg, nodes)  # ConfigError (exit 2) if no node shape can hold the stages
     loss = "they fit on the others if a node is lost" if res.survives_node_loss else \
         "a lost node's actors wait for a new node"
+    spread = f" spread over the nodes ({loss})" if len(nodes) > 1 else ""
     say(f"ray: {placement.describe(nodes)}; {cfg.num_actors} actor(s) x (num_gpus={res.num_gpus:g}, "
-        f"num_cpus={res.num_cpus:g}, torch threads {res.torch_threads}) spread over the nodes ({loss}); "
-        f"batch size {cfg.batch_size}")
+        f"num_cpus={res.num_cpus:g}, torch threads {res.torch_threads}){spread}; batch size {cfg.batch_size}")
     ds = _build_dataset(ray, cfg, paths, plan, res)
     watch = placement.watch_nodes(ray, nodes, res, cfg.num_actors, say, ray.get_runtime_context().gcs_address,
                                   written=lambda: len(writer.written))

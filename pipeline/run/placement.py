@@ -210,7 +210,10 @@ def watch_nodes(ray, nodes: list[Node], plan: ActorPlan, n_actors: int, say: Cal
             if head_lost:
                 say(f"the Ray head (GCS {gcs_address}) answers again")
                 head_lost = False
-            alive = alive_nodes(ray)
+            try:
+                alive = alive_nodes(ray)
+            except Exception:  # noqa: BLE001 - the GCS went away since the check: the next poll says so
+                continue
             ids = {n.node_id for n in alive}
             for node_id in [k for k in known if k not in ids]:
                 say(loss_line(known.pop(node_id), alive, plan, n_actors))

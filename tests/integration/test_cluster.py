@@ -143,6 +143,9 @@ def test_three_actors_spread_one_per_node_and_rows_name_their_node(cluster3, tmp
         job.wait_until(lambda: len(_waiting(gate)) == 3)  # each actor holds its first batch
         actor_nodes = sorted(cluster3.node_of(pid) for pid in _waiting(gate))
         assert actor_nodes == [0, 1, 2], f"actors per node: {actor_nodes}"
+        socks = cluster3.listening()  # the GCS, the raylets, the agents, the workers: all on loopback
+        assert len({pid for _, _, pid in socks}) >= 6, socks
+        assert all(addr in ("127.0.0.1", "::ffff:127.0.0.1") for addr, _, _ in socks), socks
         gate.touch()
         assert job.finish() == 0, job.log()[-5000:]
     finally:

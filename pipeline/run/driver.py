@@ -207,8 +207,8 @@ def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: place
     # free and the job waits forever. V1 lists them on the driver and reads with the request given here.
     ctx.use_datasource_v2 = False
     quiet.quiet_ray_data(ctx)  # the job prints its own progress line (_Progress)
-    # one read task and block per file (the repartition below makes the batches): V1 otherwise splits each file's
-    # output into dozens of blocks in the read task, which held ~830 MB per reader on the embedded 129 MB shard
+    # one read task and block per file, which Ray Data fuses with the select and the repartition below (that one
+    # makes the batches); V1 would otherwise split each file into dozens of blocks first (72 per embedded shard)
     ds = ray.data.read_parquet(paths, columns=list(INPUT_SCHEMA.names), num_cpus=placement.READER_CPUS,
                                override_num_blocks=len(paths))
     ds = ds.map_batches(_select, fn_kwargs={"todo": plan.todo, "dup_accept": plan.dup_accept},

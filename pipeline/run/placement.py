@@ -6,9 +6,9 @@ that asks for more waits forever. The plan is therefore checked against each ali
 and GPU totals, ``ray.nodes()``)::
 
     nodes = alive_nodes(ray)
-    plan = plan_actors(cfg, nodes)        # ConfigError (one line: the resource and the node shapes) if it cannot fit
-    with watch_nodes(ray, nodes, plan, cfg.num_actors, say):
-        ...                               # one line per node that leaves while the job runs
+    plan = plan_actors(cfg, nodes)   # ConfigError (one line: the request and the node shapes) if it cannot fit
+    with watch_nodes(ray, nodes, plan, cfg.num_actors, say, gcs_address, written=lambda: n_rows):
+        ...                          # one line per node that leaves while the job runs, one if the head does
 
 * GPU actors ask for ``--gpus-per-actor`` (default 1 where a node has a GPU) and ``--cpus-per-actor``
   (default 1) each.

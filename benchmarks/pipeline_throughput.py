@@ -61,7 +61,8 @@ def main() -> None:
     from pipeline.data.shards import synthetic_records, write_shards
     from pipeline.run.actor import SampleEvaluator
     from pipeline.run.config import JobConfig
-    from pipeline.run.driver import actor_resources, run
+    from pipeline.run.driver import run
+    from pipeline.run.placement import Node, plan_actors
 
     tmp = Path(tempfile.mkdtemp(prefix="rcr-bench-"))
     model = _model(args.model, tmp)
@@ -80,7 +81,7 @@ def main() -> None:
     load0 = os.getloadavg()
     # 1. bare single-process loop, with the torch threads a 1-actor job would use
     c = cfg(1, "bare")
-    threads = actor_resources(c, {"CPU": float(os.cpu_count() or 1)})["torch_threads"]
+    threads = plan_actors(c, [Node("local", "127.0.0.1", float(os.cpu_count() or 1), 0.0)]).torch_threads
     c.torch_threads = threads
     t0 = time.perf_counter()
     ev = SampleEvaluator(c.to_dict())

@@ -144,6 +144,7 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("model", pa.string()),
     pa.field("config_hash", pa.string(), nullable=False),
     pa.field("job_name", pa.string()),
+    pa.field("node_id", pa.string()),  # the Ray node whose actor computed the row; null for the driver's own rows
     pa.field("prompt", pa.string()),
     pa.field("references", pa.list_(pa.string())),
     # output
@@ -184,7 +185,7 @@ Col = namedtuple("Col", [f.name.upper() for f in OUTPUT_SCHEMA])(*OUTPUT_SCHEMA.
 # The per-row float64 numbers that the analysis averages per method and logs to each method's MLflow run.
 ROW_SUMMARIES = tuple(f.name for f in OUTPUT_SCHEMA
                       if pa.types.is_float64(f.type) and f.name not in ("prefill_s", "decode_s"))
-TIMING_COLUMNS = ("prefill_s", "decode_s", "tokens_per_s")  # differ from run to run; everything else must not
+TIMING_COLUMNS = ("prefill_s", "decode_s", "tokens_per_s")  # differ from run to run, as node_id; nothing else may
 
 # Display and "all" order of the method labels (the `method` column); others follow, fixed@TAU by tau.
 METHOD_ORDER = ("full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale",
@@ -199,6 +200,7 @@ class JobStamp:
     config_hash: str
     job_name: str
     task: str  # the job's task: a row's task when its input row has none
+    node_id: str | None = None  # the Ray node of the process making the rows (None outside Ray)
 
 
 def _identity(job: JobStamp, sample: dict, method: str, key: str | None) -> dict:
@@ -211,6 +213,7 @@ def _identity(job: JobStamp, sample: dict, method: str, key: str | None) -> dict
         "model": job.model,
         "config_hash": job.config_hash,
         "job_name": job.job_name,
+        "node_id": job.node_id,
         "prompt": sample.get("prompt"),
         "references": [str(r) for r in refs] if refs is not None else [],
     }

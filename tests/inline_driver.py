@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,9 +27,19 @@ from pipeline.schema import INPUT_SCHEMA
 
 
 class _NoRay:
+    """What the driver asks of Ray about the cluster: one node of 2 CPUs."""
+
     @staticmethod
     def cluster_resources() -> dict[str, float]:
         return {"CPU": 2.0}
+
+    @staticmethod
+    def get_runtime_context():
+        return SimpleNamespace(gcs_address=None)  # no head to watch
+
+    @staticmethod
+    def nodes() -> list[dict]:
+        return [{"NodeID": "inline", "NodeManagerAddress": "127.0.0.1", "Alive": True, "Resources": {"CPU": 2.0}}]
 
 
 class InlineDataset:
@@ -41,7 +52,7 @@ class InlineDataset:
     def iter_batches(self, batch_size=None, batch_format="pyarrow", prefetch_batches=1):
         """Each batch is yielded as soon as it is computed, which is what ``prefetch_batches=0`` gives."""
         actor_cfg = self.cfg.to_dict()
-        actor_cfg["torch_threads"] = self.res["torch_threads"]
+        actor_cfg["torch_threads"] = self.res.torch_threads
         ev = SampleEvaluator(actor_cfg, config_hash=self.cfg.config_hash, calibration=self.calibration_payload)
         bs = self.cfg.batch_size
         for path in self.paths:

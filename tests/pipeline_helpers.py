@@ -194,12 +194,13 @@ class GatedFakeEngine(FakeEngine):
     """A FakeEngine that stops at a known point, so a test can interrupt a job there without timing.
 
     With ``RCR_TEST_GATE`` set to a path, the first ``RCR_TEST_GATE_AFTER`` calls (default 0) of each engine
-    run at once; the next call touches ``<path>.waiting`` and waits until ``<path>`` exists (the test's
-    signal to go on; a test that stops the job never creates it)."""
+    run at once; the next call touches ``<path>.waiting`` and ``<path>.waiting.<pid>`` (one per actor) and
+    waits until ``<path>`` exists (the test's signal to go on; a test that stops the job never creates it)."""
 
     def run(self, prompts, images, methods, task=None):
         gate = os.environ.get("RCR_TEST_GATE")
         if gate and self.calls >= int(os.environ.get("RCR_TEST_GATE_AFTER", "0")) and not Path(gate).exists():
+            Path(f"{gate}.waiting.{os.getpid()}").touch()
             Path(f"{gate}.waiting").touch()
             while not Path(gate).exists():
                 time.sleep(0.05)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import time
 import traceback
 from typing import Any
@@ -88,6 +89,13 @@ def table_rows(table: pa.Table) -> list[dict]:
         row[BAD_TEXT_KEY] = bad
         rows.append(row)
     return rows
+
+
+def ray_node_id() -> str | None:
+    """The id of the Ray node this process runs on (an actor restarted elsewhere gets its new node's);
+    None outside Ray, e.g. the evaluator called directly. Ray is only asked if this process imported it."""
+    ray = sys.modules.get("ray")
+    return ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
 
 
 # ---------------------------------------------------------------------- engine
@@ -177,7 +185,7 @@ class SampleEvaluator:
         if self.cfg.max_new_tokens is None:  # a hand-written config: the task's default, as validate() fills in
             self.cfg.max_new_tokens = default_max_new_tokens(self.cfg.task)
         self.job = JobStamp(model=self.cfg.model, config_hash=config_hash or self.cfg.config_hash,
-                            job_name=self.cfg.job_name, task=self.cfg.task)
+                            job_name=self.cfg.job_name, task=self.cfg.task, node_id=ray_node_id())
         import torch
         from PIL import Image
 

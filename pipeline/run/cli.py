@@ -92,7 +92,7 @@ def _faults(p: argparse.ArgumentParser, d: JobConfig) -> None:
     g.add_argument("--max-restarts", dest="max_restarts", type=int,
                    help=f"restarts of a dead actor, -1 unlimited (default: {d.max_restarts})")
     g.add_argument("--max-task-retries", dest="max_task_retries", type=int,
-                   help=f"retries of a batch whose actor died (default: {d.max_task_retries})")
+                   help=f"retries of a batch whose actor died, -1 unlimited (default: {d.max_task_retries})")
     g.add_argument("--max-image-pixels", dest="max_image_pixels", type=int,
                    help=f"larger images become error rows (decompression-bomb guard) (default: {d.max_image_pixels})")
     g.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None,

@@ -83,7 +83,9 @@ class JobConfig:
     cpus_per_actor: float | None = None  # None: 1 with GPUs; on CPU-only, what leaves room for readers
     torch_threads: int | None = None  # None: the actor's CPU share
     max_restarts: int = -1  # actor restarts (-1: unlimited)
-    max_task_retries: int = 3  # retries of a batch whose actor died
+    # retries of a batch whose actor died (-1: unlimited). Ray counts each failed call to an unreachable actor: a
+    # lost node uses up a small count before Ray marks the actor as restarting (ray-project/ray#25457)
+    max_task_retries: int = -1
     max_image_pixels: int = 50_000_000  # bigger images are bad inputs (decompression-bomb guard)
     max_image_bytes: int = 64 * 2**20
     max_frames: int = 64

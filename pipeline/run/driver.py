@@ -39,7 +39,7 @@ from pipeline import preflight, quiet
 from pipeline.analysis import mlflow_ui, report, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.data import convert, shards, synthetic
-from pipeline.run import calibration, ray_local
+from pipeline.run import calibration, placement, ray_local
 from pipeline.run.actor import SampleEvaluator
 from pipeline.run.config import (
     EMBEDDED,
@@ -62,14 +62,12 @@ from pipeline.run.store import (
 )
 from pipeline.schema import INPUT_SCHEMA, JobStamp, error_rows, output_table
 
-READER_CPUS = 0.25  # read/select tasks are light; small CPU requests keep them schedulable beside the actors
 # Memory a read/select task asks for. Ray Data's high-memory detector warns when a stage's workers use more than
 # they asked for (asked for nothing, a 0.25-CPU task counts as asking for 0.6 GiB) or, at the end, more than 4/5 of
 # it. Measured: up to 0.88 GiB (USS, the object-store pages it wrote included) per read worker on the embedded
 # shards (files of 123 MiB), with the read function in a module that does not import torch (pipeline/run/select.py;
 # importing torch adds 0.45 GiB). Capped at a quarter of the cluster's memory, so that it stays schedulable.
 READER_MEMORY = 1536 * 2**20
-DATA_RESERVE_CPUS = 1.0  # Ray Data's file-listing task asks for 1 CPU; CPU-only actors leave room for it
 MLFLOW_FAILED_EXIT = 3  # the Parquet output is complete but MLflow logging failed (jobs/backfill_mlflow.py)
 
 
@@ -192,36 +190,22 @@ def _ray_init(cfg: JobConfig):
     return ray
 
 
-def actor_resources(cfg: JobConfig, cluster: dict[str, float]) -> dict[str, float]:
-    """GPU per actor where the cluster has GPUs; on CPU-only clusters leave CPU room for the readers.
+def _light_repartition(ds, rows: int, read: dict):
+    """``ds.repartition(target_num_rows_per_block=rows)`` whose tasks ask for the read tasks' ``read`` resources
+    (``placement.READER_CPUS`` and ``reader_memory``), not 1 CPU.
 
-    Pitfalls with ``num_gpus=0``: Ray hides all GPUs from such a worker (CUDA_VISIBLE_DEVICES=""), so the
-    device is chosen inside the actor from what it can see, never on the driver; and actors that take
-    every CPU starve Ray Data's listing and read tasks (the job hangs with the actors idle), so on
-    CPU-only clusters each actor asks for at most ``(CPUs - 1) / num_actors``.
-    """
-    gpus = cluster.get("GPU", 0.0)
-    n_gpu = cfg.gpus_per_actor if cfg.gpus_per_actor is not None else (1.0 if gpus >= 1 else 0.0)
-    if n_gpu > 0 and gpus < n_gpu:
-        raise ConfigError("gpus_per_actor", f"{n_gpu} GPU(s) per actor, but the cluster has {gpus}")
-    cpus = cluster.get("CPU", 1.0)
-    if cfg.cpus_per_actor is not None:
-        n_cpu = cfg.cpus_per_actor
-    elif n_gpu > 0:
-        n_cpu = 1.0
-    else:
-        n_cpu = max(0.1, min(1.0, (cpus - DATA_RESERVE_CPUS) / cfg.num_actors))
-    if cfg.torch_threads:
-        threads = cfg.torch_threads
-    elif n_gpu > 0:
-        threads = 4
-    else:
-        # One thread per CPU actor. Decoding a small model is a long chain of tiny ops, and with 2+ OpenMP
-        # threads each op ends in a barrier: measured on 2 shared cores, a 2-sample batch of every method
-        # took 1-2 s with 1 thread and ~140 s with 2 (other processes held the cores; the barrier waits on
-        # a descheduled thread). Big models on big CPU nodes: pass --torch-threads.
-        threads = 1
-    return {"num_gpus": float(n_gpu), "num_cpus": float(round(n_cpu, 3)), "torch_threads": int(threads)}
+    Ray Data 2.60's ``repartition`` takes no resource arguments, and a map task without ``num_cpus`` asks for
+    1 CPU: on nodes whose CPUs the actors hold in part (3 nodes of 1 CPU, an actor on each), no node has it,
+    and the job waits forever. Set on the logical operator, the reader's request also lets Ray Data fuse the
+    repartition into the read/select tasks (equal remote args)."""
+    from ray.data._internal.logical.operators.map_operator import StreamingRepartition
+
+    ds = ds.repartition(target_num_rows_per_block=rows)
+    op = ds._logical_plan.dag
+    if not isinstance(op, StreamingRepartition):  # a Ray upgrade changed the plan: fail here, not hang later
+        raise TypeError(f"repartition(target_num_rows_per_block=) made a {type(op).__name__}")
+    op.ray_remote_args.update(read)
+    return ds
 
 
 def reader_memory(cluster: dict[str, float]) -> int:
@@ -230,18 +214,24 @@ def reader_memory(cluster: dict[str, float]) -> int:
     return int(min(READER_MEMORY, total / 4)) if total else READER_MEMORY
 
 
-def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: dict[str, float],
+def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: placement.ActorPlan,
                    calibration_payload: dict | None = None):
     ctx = ray.data.DataContext.get_current()
     ctx.max_errored_blocks = 0
+    # Ray Data 2.60's Parquet reader V2 (its default) lists the files in a task of its own that asks for 1 CPU,
+    # with no way to ask for less: with the actors on every node (3 nodes of 1 CPU) no node has a whole CPU
+    # free and the job waits forever. V1 lists them on the driver and reads with the request given here.
+    ctx.use_datasource_v2 = False
     quiet.quiet_ray_data(ctx)  # the job prints its own progress line (_Progress)
-    read = {"num_cpus": READER_CPUS, "memory": reader_memory(ray.cluster_resources())}
-    ds = ray.data.read_parquet(paths, columns=list(INPUT_SCHEMA.names), **read)
+    # one read task and block per file, which Ray Data fuses with the select and the repartition below (that one
+    # makes the batches); V1 would otherwise split each file into dozens of blocks first (72 per embedded shard)
+    read = {"num_cpus": placement.READER_CPUS, "memory": reader_memory(ray.cluster_resources())}
+    ds = ray.data.read_parquet(paths, columns=list(INPUT_SCHEMA.names), override_num_blocks=len(paths), **read)
     ds = ds.map_batches(select_planned, fn_kwargs={"todo": plan.todo, "dup_accept": plan.dup_accept},
                         batch_format="pyarrow", batch_size=None, **read)
-    ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
+    ds = _light_repartition(ds, cfg.batch_size, read)
     actor_cfg = cfg.to_dict()
-    actor_cfg["torch_threads"] = res["torch_threads"]
+    actor_cfg["torch_threads"] = res.torch_threads
     with quiet.actor_fault_tolerance():
         ds = ds.map_batches(
             SampleEvaluator,
@@ -249,9 +239,12 @@ def _build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: dict[
                                    "calibration": calibration_payload},
             batch_size=cfg.batch_size,
             batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
-            num_gpus=res["num_gpus"],
-            num_cpus=res["num_cpus"],
+            # one batch at a time per actor: a batch goes to whichever actor is free (a model batch takes
+            # seconds, so nothing is gained by queueing more), and a lost node takes at most one batch per
+            # actor with it, retried on the restarted actor
+            compute=ray.data.ActorPoolStrategy(size=cfg.num_actors, max_tasks_in_flight_per_actor=1),
+            num_gpus=res.num_gpus,
+            num_cpus=res.num_cpus,
             max_restarts=cfg.max_restarts,
             max_task_retries=cfg.max_task_retries,
         )
@@ -381,15 +374,19 @@ def _stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter,
             calibration_payload: dict | None = None) -> tuple[str, str | None]:
     """The model work, through Ray: every result block to ``writer``. Returns (status, error)."""
     ray = _ray_init(cfg)
-    cluster = ray.cluster_resources()
-    preflight.check_cluster(cfg, cluster)
-    res = actor_resources(cfg, cluster)
-    say(f"ray: {cluster.get('CPU', 0):.0f} CPU / {cluster.get('GPU', 0):.0f} GPU; "
-        f"{cfg.num_actors} actor(s) x (num_gpus={res['num_gpus']:g}, num_cpus={res['num_cpus']:g}, "
-        f"torch threads {res['torch_threads']}), batch size {cfg.batch_size}")
+    preflight.check_cluster(cfg, ray.cluster_resources())
+    nodes = placement.alive_nodes(ray)
+    res = placement.plan_actors(cfg, nodes)  # ConfigError (exit 2) if no node shape can hold the stages
+    loss = "they fit on the others if a node is lost" if res.survives_node_loss else \
+        "a lost node's actors wait for a new node"
+    spread = f" spread over the nodes ({loss})" if len(nodes) > 1 else ""
+    say(f"ray: {placement.describe(nodes)}; {cfg.num_actors} actor(s) x (num_gpus={res.num_gpus:g}, "
+        f"num_cpus={res.num_cpus:g}, torch threads {res.torch_threads}){spread}; batch size {cfg.batch_size}")
     ds = _build_dataset(ray, cfg, paths, plan, res, calibration_payload)
+    watch = placement.watch_nodes(ray, nodes, res, cfg.num_actors, say, ray.get_runtime_context().gcs_address,
+                                  written=lambda: len(writer.written))
     try:
-        with writer.progress.heartbeat():
+        with writer.progress.heartbeat(), watch:
             # prefetch_batches=0: with Ray Data's default of 1, the iterator asks for block k+1 before it yields
             # block k, so every finished batch waited on the next one (an 8-sample job showed 0 rows until the
             # end); the driver only writes blocks, so there is nothing for a prefetch to overlap
@@ -441,7 +438,12 @@ def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     if plan.driver_errors:
         writer.write(_driver_error_table(cfg, plan))
     payload = cal.actor_payload() if cal is not None else None
-    status, error = _stream(cfg, paths, plan, writer, payload) if plan.todo else ("ok", None)
+    try:
+        status, error = _stream(cfg, paths, plan, writer, payload) if plan.todo else ("ok", None)
+    except ConfigError as e:  # the cluster cannot run this config (no GPU, no node holds an actor): exit 2
+        record.update(status="failed", error=str(e), finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        store.write_run_record(run_id, record)
+        raise
 
     missing = writer.missing()
     if missing and status == "ok":

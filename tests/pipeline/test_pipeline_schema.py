@@ -86,6 +86,22 @@ def test_output_row_is_the_schema_and_summarises_only_valid_steps():
     assert table.column("error").to_pylist() == [None, "bad input: z", "bad input: z"]
 
 
+def test_rows_name_the_node_that_made_them():
+    """The actor stamps its Ray node on every row it makes; outside Ray (no node) the column is null."""
+    from dataclasses import replace
+
+    from pipeline.run.actor import ray_node_id
+
+    res = _result()
+    on = replace(JOB, node_id="ab12")
+    rows = [schema.output_row(on, {"sample_id": "x"}, "rcr", res, 0, "t"),
+            *schema.error_rows(on, {"sample_id": "y"}, ["full"], "bad input: z")]
+    assert schema.output_table(rows).column("node_id").to_pylist() == ["ab12", "ab12"]
+    assert ray_node_id() is None  # this process is not a Ray worker
+    assert schema.output_table(schema.error_rows(JOB, {"sample_id": "y"}, ["full"], "e")).column("node_id")[0].as_py() \
+        is None
+
+
 def test_row_summaries_reach_the_method_table_and_mlflow():
     """A new float64 summary column in OUTPUT_SCHEMA needs no edit in the analysis or the tracking."""
     assert set(schema.ROW_SUMMARIES) - {schema.Col.REFRESH_FRACTION} <= set(METHOD_MEANS)

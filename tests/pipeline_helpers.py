@@ -280,6 +280,22 @@ def worker_port_block(size: int, rng: random.Random) -> int:
     raise RuntimeError(f"no {size} consecutive free ports below {eph_lo}")
 
 
+def kill_leftovers(own_pids, temp_dir: Path) -> None:
+    """SIGKILL what a stopped Ray head or cluster left (``own_pids()``: the processes it started; its workers
+    outlive their raylet for a moment), then remove its private temp dir."""
+    import shutil
+
+    for _ in range(20):
+        left = own_pids()
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 class _PortClash(RuntimeError):
     """``ray start`` exited at once and its log mentions a port."""
 
@@ -448,14 +464,4 @@ class LocalRayHead:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
-        for _ in range(20):
-            left = self.own_pids()
-            if not left:
-                break
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.5)
-        import shutil
-
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        kill_leftovers(self.own_pids, self.temp_dir)

@@ -23,14 +23,13 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.pipeline_helpers import PY, REPO, free_port
+from tests.pipeline_helpers import PY, REPO, free_port, kill_leftovers
 
 # Node death is noticed by the GCS's health checks: every 1 s, dead after 3 misses (Ray's defaults: 3 s x 5)
 HEALTH_CHECK = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
@@ -148,15 +147,7 @@ class LocalRayCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the helper's own session: only what it started
                 self.proc.wait(timeout=10)
-        for _ in range(20):  # workers outlive their raylet for a moment
-            left = self.own_pids()
-            if not left:
-                break
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.5)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        kill_leftovers(self.own_pids, self.temp_dir)
 
 
 # ---------------------------------------------------------------------- the helper process

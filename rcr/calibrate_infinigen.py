@@ -46,10 +46,15 @@ def synthetic_scene(seed: int, size: int = 448):
 
 class _Recorder:
     """Attention hook for a calibration prefill: plain SDPA, accumulating per layer either the Gram matrices
-    (pass 1) or the column sums of |QA| and |KA| (pass 2). Batch 1, no padding."""
+    (pass 1) or the column sums of |QA| and |KA| (pass 2). Batch 1, no padding.
 
-    def __init__(self, n_kv: int, skews: list[torch.Tensor] | None = None):
-        self.n_kv, self.skews = n_kv, skews
+    The tokens are those a decode scores and speculates with, as in the per-sample calibration
+    (``rcr.methods.infinigen``): the queries of the prompt's last ``window`` tokens (text, as decode queries
+    are; InfiniGen calibrates on running text) and the keys of the prefix region before them (the entries a
+    decode selects among, mostly visual)."""
+
+    def __init__(self, n_kv: int, window: int, skews: list[torch.Tensor] | None = None):
+        self.n_kv, self.window, self.skews = n_kv, window, skews
         self.acc: dict[int, list[torch.Tensor]] = {}
         self.tokens = 0
 
@@ -58,8 +63,9 @@ class _Recorder:
 
         layer = module.layer_idx
         _, Hq, N, d = query.shape
-        q = query[0].double().reshape(self.n_kv, Hq // self.n_kv * N, d)  # (Hkv, G*N, d): the group's queries
-        k = key[0].double()  # (Hkv, N, d)
+        W = min(self.window, N - 1)  # at least one prefix key
+        q = query[0, :, N - W:].double().reshape(self.n_kv, Hq // self.n_kv * W, d)  # (Hkv, G*W, d): the group's
+        k = key[0, :, : N - W].double()  # (Hkv, N - W, d): the prefix region
         if self.skews is None:
             parts = [q.transpose(1, 2) @ q, k.transpose(1, 2) @ k]
         else:
@@ -70,7 +76,7 @@ class _Recorder:
         else:
             self.acc[layer] = parts
         if layer == 0:
-            self.tokens += N
+            self.tokens += N  # prompt tokens run (W queries and N - W keys of each recorded)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
@@ -85,20 +91,20 @@ def _run(model, inputs_list, recorder) -> None:
 
 
 @torch.no_grad()
-def calibrate(model, inputs_list: list, partial_ratio: float = 0.25) -> tuple[list, list, dict]:
+def calibrate(model, inputs_list: list, partial_ratio: float = 0.25, window: int = 32) -> tuple[list, list, dict]:
     """(skews[l] (Hkv, d, d), cols[l] (Hkv, c), stats) from prefills of ``inputs_list`` (processor outputs of
-    batch 1)."""
+    batch 1): the queries of each prompt's last ``window`` tokens (``RCRConfig.window``) and the keys before them."""
     geo = geometry(model)
-    rec = _Recorder(geo.n_kv_heads)
+    rec = _Recorder(geo.n_kv_heads, window)
     _run(model, inputs_list, rec)
     skews = [skew_from_grams(*rec.acc[layer]).cpu() for layer in range(geo.n_layers)]
     for layer, a in enumerate(skews):
         check_orthogonal(a, f"skew matrix of layer {layer}")
-    rec2 = _Recorder(geo.n_kv_heads, skews)
+    rec2 = _Recorder(geo.n_kv_heads, window, skews)
     _run(model, inputs_list, rec2)
     c = n_partial(partial_ratio, geo.head_dim)
     cols = [partial_columns(*rec2.acc[layer], c).cpu() for layer in range(geo.n_layers)]
-    stats = {"n_prompts": len(inputs_list), "n_tokens": rec.tokens, "partial_columns": c,
+    stats = {"n_prompts": len(inputs_list), "n_tokens": rec.tokens, "query_window": window, "partial_columns": c,
              "n_layers": geo.n_layers, "n_kv_heads": geo.n_kv_heads, "head_dim": geo.head_dim}
     return skews, cols, stats
 

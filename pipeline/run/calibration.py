@@ -143,10 +143,11 @@ def _heldout(cfg, paths: list[str], evaluated: list) -> CalibrationSpec:
 
 def calibrate_rows(model, processor, rows: list[dict], ratio: float, out_dir: str | os.PathLike,
                    description: str, limits: tuple[int, int, int] = (64, 64 * 2**20, 50_000_000),
-                   extra: dict | None = None) -> dict:
+                   extra: dict | None = None, window: int = 32) -> dict:
     """Calibrate on input rows (``sample_id``, ``task``, ``prompt``, ``images`` bytes) and write the directory
     (``rcr.skewing.save_calibration``) with ``calibration.json`` = how (plus ``extra``). ``limits``: max
-    frames, image bytes and pixels. Returns that meta."""
+    frames, image bytes and pixels; ``window``: the queries of each prompt's last ``window`` tokens calibrate the
+    skew, the keys before them the columns (``rcr.calibrate_infinigen.calibrate``). Returns that meta."""
     import torch
     import transformers
 
@@ -157,7 +158,7 @@ def calibrate_rows(model, processor, rows: list[dict], ratio: float, out_dir: st
 
     inputs = [build_inputs(processor, [r["prompt"]], [load_sample_images(r["images"], r["task"], *limits)],
                            video=r["task"] == "video") for r in rows]
-    skews, cols, stats = calibrate(model, inputs, ratio)
+    skews, cols, stats = calibrate(model, inputs, ratio, window)
     meta = {"description": description, "sample_ids": [r["sample_id"] for r in rows], "partial_ratio": ratio,
             "dtype": str(next(model.parameters()).dtype), "torch": torch.__version__,
             "transformers": transformers.__version__, **stats, **(extra or {})}
@@ -178,7 +179,7 @@ def materialize(payload: dict, engine, cfg) -> tuple[str, tempfile.TemporaryDire
     tmp = tempfile.TemporaryDirectory(prefix="rcr-infinigen-")
     ratio = cfg.rcr.get("infinigen_partial_ratio", 0.25)
     calibrate_rows(engine.model, engine.processor, spec.rows, ratio, tmp.name, spec.source,
-                   (cfg.max_frames, cfg.max_image_bytes, cfg.max_image_pixels))
+                   (cfg.max_frames, cfg.max_image_bytes, cfg.max_image_pixels), window=cfg.rcr.get("window", 32))
     return tmp.name, tmp
 
 

@@ -348,3 +348,27 @@ def test_calibrate_infinigen_cli_records_its_command(tmp_path):
     assert meta["n_prompts"] == 2 and meta["partial_columns"] == 8 and "synthetic_scenes" in meta["source"]
     skews, cols, _ = load_calibration(str(tmp_path / "cal"))
     assert len(skews) == 3 and tuple(cols[0].shape) == (2, 8)
+
+
+def test_offline_calibration_on_a_prompt_is_its_per_sample_calibration():
+    """Offline and per-sample InfiniGen calibrate on the same tokens (the queries of the prompt's last `window`
+    tokens, the prefix keys before them), so calibrated offline on one prompt, the skew and partial columns are
+    those the per-sample path derives from that prompt's own prefill (skew columns up to sign; the window's G*W
+    queries span the head dim, so no eigenvalue is degenerate)."""
+    from rcr.calibrate_infinigen import calibrate
+    from rcr.methods.infinigen import _prefill_grams
+    from rcr.skewing import n_partial, partial_columns, skew_from_grams
+
+    model, proc = tiny_models.qwen2_vl()
+    cfg = rcr.RCRConfig(selected=4, window=32, candidates=8)
+    inputs = tiny_models.batch_inputs(proc, [40])
+    skews, cols, stats = calibrate(model, [inputs], 0.25, window=cfg.window)
+    assert stats["query_window"] == cfg.window
+    prefix = rcr.prefill(model, inputs, cfg)
+    for layer, (skew, col) in enumerate(zip(skews, cols)):
+        gq, gk, q, k = _prefill_grams(prefix, layer)
+        a = skew_from_grams(gq, gk)  # (1, Hkv, d, d)
+        own = partial_columns((q @ a).abs().sum(-2), (k @ a).abs().sum(-2), n_partial(0.25, a.shape[-1]))[0]
+        assert torch.equal(col, own), layer
+        cos = (skew.transpose(-1, -2) @ a[0]).diagonal(dim1=-2, dim2=-1).abs()  # (Hkv, d): column by column
+        assert cos.min() > 0.999, (layer, cos.min())

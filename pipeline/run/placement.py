@@ -193,36 +193,40 @@ def reachable(address: str, timeout_s: float = 2.0) -> bool:
 @contextlib.contextmanager
 def watch_nodes(ray, nodes: list[Node], plan: ActorPlan, n_actors: int, say: Callable[[str], None],
                 gcs_address: str | None, written: Callable[[], int]) -> Iterator[None]:
-    """While the body runs, every ``NODE_POLL_S``: one ``say`` line per node of ``nodes`` (or that joined since)
-    that is no longer alive, and one when the head (``gcs_address``) stops answering. The GCS is checked
-    first, with a plain TCP connect: Ray's own calls wait for a lost GCS for up to a minute."""
+    """While the body runs: one ``say`` line per node of ``nodes`` (or that joined since) that is no longer
+    alive, and one when the head (``gcs_address``) stops answering, each polled every ``NODE_POLL_S``. The head
+    has its own thread and a plain TCP connect: a ``ray.nodes()`` call in flight when the GCS goes away waits
+    for it until Ray ends the driver (its GCS reconnect timeout), so a check behind that call would never run."""
     stop = threading.Event()
     known = {n.node_id: n for n in nodes}
 
-    def watch():
+    def watch_head():
         head_lost = False
         while not stop.wait(NODE_POLL_S):
-            if gcs_address is not None and not reachable(gcs_address):
-                if not head_lost:
-                    say(head_lost_line(gcs_address, written()))
-                head_lost = True
-                continue
-            if head_lost:
-                say(f"the Ray head (GCS {gcs_address}) answers again")
-                head_lost = False
+            up = reachable(gcs_address)
+            if up == head_lost:
+                say(f"the Ray head (GCS {gcs_address}) answers again" if up else
+                    head_lost_line(gcs_address, written()))
+                head_lost = not up
+
+    def watch_members():
+        while not stop.wait(NODE_POLL_S):
             try:
                 alive = alive_nodes(ray)
-            except Exception:  # noqa: BLE001 - the GCS went away since the check: the next poll says so
+            except Exception:  # noqa: BLE001 - the GCS went away: the head's thread says so
                 continue
             ids = {n.node_id for n in alive}
             for node_id in [k for k in known if k not in ids]:
                 say(loss_line(known.pop(node_id), alive, plan, n_actors))
             known.update({n.node_id: n for n in alive})
 
-    t = threading.Thread(target=watch, name="rcr-node-watch", daemon=True)
-    t.start()
+    targets = [watch_members] + ([watch_head] if gcs_address is not None else [])
+    threads = [threading.Thread(target=f, name=f"rcr-{f.__name__}", daemon=True) for f in targets]
+    for t in threads:
+        t.start()
     try:
         yield
     finally:
         stop.set()
-        t.join()
+        for t in threads:
+            t.join(timeout=NODE_POLL_S + 5)  # a ray.nodes() call stuck on a lost GCS must not hold the exit

@@ -161,7 +161,7 @@ def test_a_job_no_node_can_hold_fails_at_once_in_one_line(cluster3, tmp_path):
     r = subprocess.run([PY, "jobs/detailcaps.py", "--ray-address", cluster3.address, "--model",
                         str(fake_model_dir(tmp_path)), "--shards", str(tmp_path / "shards"), "--output-dir",
                         str(tmp_path / "out"), "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}", "--engine", GATED,
-                        "--num-actors", "3", "--cpus-per-actor", "2", "--no-summary"],
+                        "--methods", ",".join(METHODS), "--num-actors", "3", "--cpus-per-actor", "2", "--no-summary"],
                        cwd=REPO, env=cluster3.env(), capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [ln for ln in r.stderr.splitlines() if "cannot be placed" in ln]
@@ -219,7 +219,7 @@ def test_head_node_killed_then_a_new_cluster_resumes(tmp_path):
                               env={"RCR_TEST_GATE": str(gate), "RCR_TEST_GATE_AFTER": "1"}).start()
     job = None
     try:
-        job = Job(cluster, tmp_path, env={"RAY_gcs_rpc_server_reconnect_timeout_s": "5"})
+        job = Job(cluster, tmp_path, env={"RAY_gcs_rpc_server_reconnect_timeout_s": "20"})
         job.wait_until(lambda: len(_waiting(gate)) == 3 and len(_parts(job.out)) >= 3)
         cluster.kill_node(0)
         line = job.wait_line("is unreachable")

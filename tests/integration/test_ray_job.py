@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from rcr.embedded import model_dir
 from tests.pipeline_helpers import (
@@ -59,6 +60,14 @@ def real_model(tmp_path_factory) -> str:
 def _job_args(script: str, out: Path, shards: Path, model: str, methods: str, *extra: str) -> list[str]:
     return [script, "--model", model, "--shards", str(shards), "--methods", methods, "--output-dir", str(out),
             "--mlflow-uri", f"sqlite:///{out.parent / 'mlflow.db'}", "--progress-every-s", "1", *extra]
+
+
+def _runtime_env(env_vars: dict) -> dict:
+    """The runtime environment a raw `ray job submit --no-wait` gets: ``env_vars`` and infra/runtime_env.yaml's
+    excludes (the head runs with Ray's default excludes overridden, so without them the working directory's
+    .git would be packaged, and a clone's history can pass Ray's 100 MB upload limit)."""
+    excludes = yaml.safe_load((REPO / "infra" / "runtime_env.yaml").read_text())["excludes"]
+    return {"env_vars": env_vars, "excludes": excludes}
 
 
 def _keys(df: pd.DataFrame) -> list[tuple[str, str]]:
@@ -110,7 +119,7 @@ def test_actor_killed_mid_job_still_n_x_m(head, tmp_path):
     args = _job_args("jobs/textcaps.py", out, tmp_path / "shards", str(fake_model_dir(tmp_path)), ",".join(methods),
                      "--engine", "tests.pipeline_helpers:GatedFakeEngine", "--batch-size", "1", "--num-actors", "1",
                      "--no-summary")
-    env = {"env_vars": {"RCR_TEST_GATE": str(gate), "RCR_TEST_GATE_AFTER": str(k)}}
+    env = _runtime_env({"RCR_TEST_GATE": str(gate), "RCR_TEST_GATE_AFTER": str(k)})
     r = head.ray_cli("job", "submit", "--address", head.address, "--working-dir", str(REPO), "--no-wait",
                      "--submission-id", sub, "--runtime-env-json", json.dumps(env), "--", "python", *args, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -157,7 +166,7 @@ def test_stopped_job_resumes_only_missing_rows(head, tmp_path):
                      "--engine", "tests.pipeline_helpers:GatedFakeEngine", "--batch-size", "1", "--num-actors", "1",
                      "--no-summary")
     sub = f"stop-job-{uuid.uuid4().hex[:8]}"
-    env = {"env_vars": {"RCR_TEST_GATE": str(gate), "RCR_TEST_GATE_AFTER": str(k)}}
+    env = _runtime_env({"RCR_TEST_GATE": str(gate), "RCR_TEST_GATE_AFTER": str(k)})
     r = head.ray_cli("job", "submit", "--address", head.address, "--working-dir", str(REPO), "--no-wait",
                      "--submission-id", sub, "--runtime-env-json", json.dumps(env), "--", "python", *args, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 
+from pipeline import quiet
 from pipeline.analysis import tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.analysis.labels import BACON, EXACT, FIXED, FULL, PREFILL_ORACLE
@@ -97,7 +98,8 @@ def probes(cfg: JobConfig, n: int):
                                     cfg.max_image_pixels)
         samples.append((row["prompt"], images, cfg.task == "video"))
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
-    model, processor = load(cfg.model_path(), device=device, trust_remote_code=cfg.trust_remote_code)
+    with quiet.quiet_model_loading():
+        model, processor = load(cfg.model_path(), device=device, trust_remote_code=cfg.trust_remote_code)
     model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path
     rcfg = RCRConfig(**cfg.rcr)
     # dwell needs two answer steps, the detector a prefix region (a prompt longer than the window)
@@ -203,7 +205,8 @@ def run(cfg: JobConfig, probe_samples: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, probe_samples = job_config(argv)
-        return run(cfg, probe_samples)
+        with quiet.stderr_without(quiet.RAY_ACTOR_RESTART_NOTICE):  # as the jobs' driver.main
+            return run(cfg, probe_samples)
     except ConfigError as e:
         print(f"[rcr-job] {e}", file=sys.stderr, flush=True)
         return 2

@@ -9,6 +9,7 @@ import subprocess
 import pandas as pd
 import pytest
 
+from pipeline import quiet
 from pipeline.data.synthetic import HELDOUT_SEED
 from tests.pipeline_helpers import PY, REPO, synthetic_records, write_shard
 
@@ -23,6 +24,8 @@ def test_the_premise_check_runs_on_the_embedded_model(tmp_path):
                         "1", "--output-dir", str(out), "--mlflow-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert quiet.RAY_ACTOR_RESTART_NOTICE not in r.stderr  # Ray's per-actor notice stays in Ray's logs
+    assert "Loading weights" not in r.stdout + r.stderr  # the probes' model load has no progress bar
     table = r.stdout[r.stdout.index("premise check: embedded, detailcaps, 3 samples"):]
     for line in ("top prefix position unchanged", "exact - bacon (fidelity)", "fixed refresh, low / high",
                  "layer 3: detector recall per KV head", "layer 3: image share"):

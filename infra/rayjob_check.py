@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 import sys
@@ -159,7 +160,13 @@ def check(path: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    path = Path(argv[0]) if argv else MANIFEST
+    ap = argparse.ArgumentParser(description="Check a KubeRay RayJob manifest against the vendored RayJob CRD and "
+                                 "against what the job's driver asks the cluster for.")
+    ap.add_argument("manifest", nargs="?", type=Path, default=MANIFEST, help="default: %(default)s")
+    path = ap.parse_args(argv).manifest
+    if not path.is_file():
+        print(f"{path}: no such file (give a RayJob manifest, e.g. {MANIFEST})", file=sys.stderr)
+        return 2
     problems = check(path)
     for p in problems:
         print(f"{path}: {p}")

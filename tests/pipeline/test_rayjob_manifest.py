@@ -100,3 +100,9 @@ def test_a_manifest_for_another_kuberay_release_is_refused(tmp_path):
     bad.write_text(MANIFEST.read_text().replace(f"Written for KubeRay {vendored}", "Written for KubeRay v0.9.9", 1))
     assert rayjob_check.check(bad) == [
         f"release: the manifest names KubeRay v0.9.9, the vendored CRD is {vendored} ({rayjob_check.CRD_README})"]
+
+
+def test_a_missing_manifest_is_one_line_not_a_traceback(tmp_path, capsys):
+    assert rayjob_check.main([str(tmp_path / "rayjob.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"{tmp_path / 'rayjob.yaml'}: no such file (give a RayJob manifest, e.g. {MANIFEST})"

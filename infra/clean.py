@@ -82,9 +82,9 @@ def refuse_runs_dir(runs: Path) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: clean.py RUNS_DIR", file=sys.stderr)
-        return 2
+    if len(argv) != 1 or argv[0].startswith("-"):  # --help too: never a runs directory to remove
+        print(__doc__, file=sys.stderr)
+        return 0 if argv in (["-h"], ["--help"]) else 2
     runs = Path(argv[0]).expanduser().resolve()
     why = refuse_runs_dir(runs)
     if why:

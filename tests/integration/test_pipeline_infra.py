@@ -368,3 +368,11 @@ def test_clean_removes_the_projects_sessions_and_runs_dir_and_nothing_else(tmp_p
     r = subprocess.run(clean, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert not project_tmp.exists() and not runs.exists() and shared.is_dir()
+
+
+def test_clean_py_help_prints_its_usage_and_removes_nothing(tmp_path):
+    (tmp_path / "--help").mkdir()  # were "--help" read as a runs directory, this would go
+    r = subprocess.run([PY, str(REPO / "infra" / "clean.py"), "--help"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0 and "python infra/clean.py RUNS_DIR" in r.stderr, r.stdout + r.stderr
+    assert (tmp_path / "--help").is_dir() and r.stdout == ""

@@ -6,11 +6,12 @@
     python jobs/prepare_data.py video      --local-path /data/my_videos --frames 8 --out data/video
     python jobs/prepare_data.py synthetic  --task detailcaps -n 200 --seed 10000 --out data/synthetic_detailcaps
 
-DetailCaps and TextCaps are read with Hugging Face ``datasets`` (``pipeline/data/hf_datasets.py``):
-``datasets.load_dataset`` on the Hub at a pinned revision (``--streaming`` for streaming=True), which also works
-offline from the local caches, or ``--local-path`` (a Parquet file, a snapshot directory or a
-``datasets.save_to_disk`` directory). Shards are written atomically; the directory gets a ``_SUCCESS``
-marker only when every shard is in place.
+DetailCaps and TextCaps are read with Hugging Face ``datasets`` (``pipeline/data/hf_datasets.py``): from the
+Hub at a pinned revision (``--streaming`` for streaming=True), offline from a snapshot in the hub cache (the
+pinned revision preferred; another one is named in one line), or from ``--local-path`` (a Parquet file, a
+folder laid out like the Hub repository, or a ``datasets.save_to_disk`` directory). The last line names the
+rows' ``source``: the Hub id with the commit read, or the local path with its files' SHA-256 prefix. Shards are
+written atomically; the directory gets a ``_SUCCESS`` marker only when every shard is in place.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def main(argv=None) -> int:
     ap.add_argument("--local-path", default=None,
                     help="local copy of the dataset (file or directory); for video: the folder of videos "
                          "(default: the Hub dataset at its pinned revision)")
-    ap.add_argument("--cache-dir", default=None, help="Hugging Face hub cache directory (default: HF_HUB_CACHE)")
-    ap.add_argument("--revision", default=None, help="override the pinned dataset revision (default: the pinned one)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="the Hugging Face hub cache searched offline for a snapshot (default: HF_HUB_CACHE)")
+    ap.add_argument("--revision", default=None,
+                    help="the dataset revision to read, a commit or a branch such as main (default: the pinned one)")
     ap.add_argument("--streaming", action="store_true",
                     help="read the Hub dataset with datasets' streaming=True and keep its first --limit samples "
                          "(no random subset, nothing written to the datasets cache)")
@@ -76,8 +79,11 @@ def main(argv=None) -> int:
     except (shards.DataError, SchemaError, SyntheticError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    rows = shards.read_input(args.out).num_rows
-    print(f"wrote {rows} samples in {len(paths)} shard(s) to {Path(args.out).resolve()} in {time.time() - t0:.1f} s")
+    t = shards.read_input(args.out)
+    no_refs = sum(1 for refs in t.column("references").to_pylist() if not refs)
+    print(f"wrote {t.num_rows} samples in {len(paths)} shard(s) to {Path(args.out).resolve()} in "
+          f"{time.time() - t0:.1f} s; source {', '.join(sorted(set(t.column('source').to_pylist())))}"
+          + (f"; {no_refs} without references (their reference metrics are absent)" if no_refs else ""))
     return 0
 
 

@@ -16,7 +16,9 @@ task           string, not null        one of ``TASKS`` (``detailcaps``, ``textc
 prompt         string, not null        the user prompt sent with the image(s)
 images         list<binary>, not null  encoded image bytes (PNG/JPEG/...); one per frame for video
 references     list<string>, not null  reference descriptions, possibly empty
-source         string, not null        where it came from (``synthetic``, a HF dataset id, a path)
+source         string, not null        where it came from: ``synthetic``; ``<hub id>@<commit[:10]>:<split>``
+                                       (the commit read); ``<path>@sha256:<12 hex>:<split>`` for a local
+                                       copy (the SHA-256 of its split's files); a video folder's path
 =============  ======================  ==========================================================
 """
 

@@ -27,6 +27,8 @@ What is measured, and with what (also in ``Analysis.meta`` and logged to MLflow)
   mean over references of the TF-IDF n-gram cosine). IDF comes from the references of the samples
   scored together (one corpus per (model, method), so the same corpus for every method when they cover
   the same samples). Per-sample scores are bootstrapped with that IDF fixed.
+* Samples without references (TextCaps' test split, a video folder without captions) have no reference
+  metrics; ``meta["reference_metrics"]`` says which samples they cover, ``absent: ...`` when none does.
 * **Paired bootstrap**: percentile CIs from ``n_resamples`` resamples of the samples (default 10,000,
   seeded). Per model, ONE matrix of resampled indices is drawn and used for every method's mean and
   for every difference (method minus ``bacon``, method minus ``rcr``), so the comparisons are paired.
@@ -190,6 +192,18 @@ def _reference_metrics(d: pd.DataFrame, ps: pd.DataFrame, n_jobs: int | None) ->
         return False
 
 
+def _reference_coverage(d: pd.DataFrame, reference_metrics: bool) -> str:
+    """Which samples the reference metrics cover, for the summary and MLflow: "absent" when no sample has
+    references (e.g. TextCaps' test split), so that no one reads a missing number as a computed one."""
+    if not reference_metrics:
+        return "not computed (reference_metrics=False)"
+    n = d[Col.SAMPLE_ID].nunique()
+    with_refs = d.loc[d[Col.REFERENCES].map(_has_refs), Col.SAMPLE_ID].nunique() if Col.REFERENCES in d else 0
+    if with_refs == 0:
+        return f"absent: none of the {n} samples has references"
+    return f"on {with_refs} of {n} samples" + (" (the others have no references)" if with_refs < n else "")
+
+
 def _per_sample(d: pd.DataFrame, reference_metrics: bool, n_jobs: int | None) -> tuple[pd.DataFrame, bool | None,
                                                                                         str | None]:
     """One row per ok (model, sample, method) with its metrics; whether CIDEr ran; the drift source."""
@@ -344,6 +358,7 @@ def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, 
         corr_rows += _correlation_rows(model, pm, methods, samples, wide)
     methods_df = pd.DataFrame(method_rows)
     meta = _meta(st, cider_ok, drift_src, n_rows=len(df), errors=errors, n_dups=n_dups, ps=ps, models=models)
+    meta["reference_metrics"] = _reference_coverage(d, reference_metrics)
     return Analysis(per_sample=ps, methods=methods_df, terciles=pd.DataFrame(terc_rows, columns=TERCILE_COLUMNS),
                     correlations=pd.DataFrame(corr_rows, columns=CORRELATION_COLUMNS),
                     stability=top_position_stability(df), frontier=_frontier(methods_df), errors=errors, meta=meta,

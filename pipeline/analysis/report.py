@@ -141,6 +141,8 @@ def format_summary(analysis: Analysis) -> str:
                  + (f"; {meta.get('n_samples_without_full')} sample(s) without a 'full' row"
                     if meta.get("n_samples_without_full") else ""))
     lines.append(f"fidelity: {meta.get('fidelity')}")
+    if meta.get("reference_metrics"):
+        lines.append(f"reference metrics (ROUGE-L and CIDEr against references): {meta['reference_metrics']}")
     lines.append(f"CI: {meta.get('bootstrap')}")
     lines.append("refresh = realised fraction of refreshed layer-steps; reads/step = prefix keys+values read "
                  "per KV head per layer-step")

@@ -434,6 +434,7 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
         "n_samples": a.meta.get("n_samples"), "n_rows": a.meta.get("n_rows"),
         "methods": ",".join(order_methods(df[Col.METHOD].astype(str))),
         "fidelity_metric": FIDELITY_DESC, "reference_rougeL": REF_ROUGE_DESC, "cider": a.meta.get("cider"),
+        "reference_metrics": a.meta.get("reference_metrics"),  # "absent: ..." when no sample has references
         "bootstrap": a.meta.get("bootstrap"), "bootstrap_resamples": a.meta.get("bootstrap_resamples"),
         "bootstrap_seed": a.meta.get("seed"), "drift_source": a.meta.get("drift_source"),
         # what the infinigen rows were calibrated on (pipeline/run/calibration.py); None (not logged) without them

@@ -13,21 +13,23 @@
   ``references.json`` mapping ``name -> [str, ...]``.
 
 Where the data comes from, always read with Hugging Face ``datasets`` (``pipeline/data/hf_datasets.py``):
-``local_path`` (a Parquet file, a directory of Parquet files such as a ``huggingface-cli download
---local-dir`` snapshot, or a ``datasets.save_to_disk`` directory); otherwise ``datasets.load_dataset`` on
-the Hub at the pinned revision (``streaming=True`` on request), which works offline from the ``datasets``
-cache or the hub cache. With no network and nothing cached, ``OfflineError`` says so in one line and
-names ``--local-path``.
+``local_path`` (a Parquet file, a folder laid out like the Hub repository such as an ``hf download
+--local-dir`` snapshot, or a ``datasets.save_to_disk`` directory); otherwise the Hub at the pinned revision
+(``streaming=True`` on request), or offline a snapshot in the hub cache (the pinned revision preferred; another
+one is named in one line). A split is matched to its files by the dataset card's ``configs`` or the Hub's
+``data/<split>-*`` file names, and a split the copy does not have fails in one line naming those it has. With
+no network and nothing cached, ``OfflineError`` says so in one line and names ``--local-path``. Each record's
+``source`` is the Hub id with the commit read, or the local path with the SHA-256 prefix of its files.
 
 ``limit`` + ``seed`` pick a fixed random subset (the same rows for the same seed), kept in source order.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,36 +89,42 @@ SOURCES = {"detailcaps": DETAILCAPS, "textcaps": TEXTCAPS}
 # ------------------------------------------------------------------------------------------- --dataset
 @dataclass(frozen=True)
 class NamedDataset:
-    """A job's ``--dataset NAME[:split]``: the task's source (with the split) and, for a local copy, its path."""
+    """A job's ``--dataset NAME[:split]``: the task's source, the split, and, for a local copy, its path."""
 
     source: HubSource
     local_path: str | None
+    split: str
 
-    def cache_name(self) -> str:
-        """A directory name that changes when the data can: the pinned revision for the Hub, else a hash of the
-        local files' paths, sizes and modification times."""
+    def locate(self) -> hf.Located:
+        """The split's files and provenance (offline: a revision in the hub cache); reads no rows."""
+        return locate(self.source, self.local_path, split=self.split)
+
+    def cache_name(self, loc: hf.Located | None = None) -> str:
+        """A directory name that changes when the data can: for the Hub, the revision read (``loc``; default
+        the pinned one); for a local copy, a hash of the paths, sizes and modification times of the files the
+        split is read from (``loc``, located when not given)."""
         src = self.source
         if self.local_path is None:
-            return f"{src.name}-{src.split}-{src.revision[:10]}"
-        root = Path(self.local_path)
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-        h = hashlib.sha256(f"{root}\0{src.split}".encode())
-        for f in files:
-            st = f.stat()
-            h.update(f"\0{f.relative_to(root) if f != root else f.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-        return f"{src.name}-{src.split}-local-{h.hexdigest()[:12]}"
+            rev = loc.revision if loc is not None and loc.revision else src.revision
+            return f"{src.name}-{self.split}-{rev[:10]}"
+        loc = loc or self.locate()
+        h = hashlib.sha256(f"{self.local_path}\0{self.split}".encode())
+        for f in loc.data_files:
+            st = os.stat(f)
+            h.update(f"\0{f}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        return f"{src.name}-{self.split}-local-{h.hexdigest()[:12]}"
 
-    def records(self) -> Iterator[dict]:
-        """Every sample of the dataset in the input schema, in source order."""
-        return convert_hub(self.source, self.local_path)
+    def records(self, loc: hf.Located | None = None) -> Iterator[dict]:
+        """Every sample of the split in the input schema, in source order."""
+        return convert_located(self.source, loc or self.locate())
 
 
 def parse_dataset(spec: str, task: str) -> NamedDataset:
     """``NAME[:split]`` -> :class:`NamedDataset`. NAME is the task's Hugging Face dataset (its repo id, or the
     task name) read at the pinned revision, or a local copy of it (a ``save_to_disk`` directory, or a Parquet
-    file or folder laid out like the Hub's). The split defaults to the pinned one; another split is found by
-    ``datasets`` from the dataset's own layout. Rows map to the input schema with the task's converter, so
-    only the datasets this module converts are accepted."""
+    file or folder laid out like the Hub's). The split defaults to the pinned one; the files of a split come
+    from the copy's dataset card or the Hub's file names (``pipeline/data/hf_datasets.py``). Rows map to the
+    input schema with the task's converter, so only the datasets this module converts are accepted."""
     src = SOURCES.get(task)
     if src is None:
         raise DataError(f"task '{task}' has no Hugging Face source (have: {', '.join(SOURCES)}); convert the "
@@ -131,10 +139,8 @@ def parse_dataset(spec: str, task: str) -> NamedDataset:
         if not path.exists():
             raise DataError(f"'{name}' is neither {src.repo_id} (or '{src.name}') nor a local file or directory; "
                             f"task {task} reads {src.repo_id} or a local copy of it")
-        local = str(path.resolve())
-    if split is not None and split != src.split:
-        src = dataclasses.replace(src, split=split, files=())  # the pinned files belong to the pinned split
-    return NamedDataset(src, local)
+        local = os.path.abspath(path)  # not resolved: a hub-cache snapshot's files are links into its blobs
+    return NamedDataset(src, local, split or src.split)
 
 
 def _refs(values, where: str) -> list[str]:
@@ -161,15 +167,32 @@ def pick_subset(n: int, limit: int | None, seed: int) -> list[int]:
     return sorted(np.random.default_rng(seed).choice(n, size=limit, replace=False).tolist())
 
 
-def convert_hub(src: HubSource, local_path=None, limit: int | None = None, seed: int = 0, cache_dir=None,
-                revision: str | None = None, streaming: bool = False) -> Iterator[dict]:
-    """Yield input-schema records for a Hub dataset (DetailCaps or TextCaps), read with ``datasets``
-    (``pipeline/data/hf_datasets.py``). ``streaming``: the first ``limit`` samples of the stream, no subset."""
-    rev = revision or src.revision
+def locate(src: HubSource, local_path=None, cache_dir=None, revision: str | None = None,
+           split: str | None = None) -> hf.Located:
+    """Where ``split`` (default: the pinned one) of ``src`` is read from: ``local_path``, else the Hub at
+    ``revision`` (default: the pinned one), or offline the hub cache (``cache_dir``, default HF_HUB_CACHE)."""
+    split = split or src.split
     if local_path is not None:
-        ds, where = hf.open_local(local_path, src.split, src.files, streaming), str(local_path)
-    else:
-        ds, where = hf.open_hub(src.repo_id, rev, src.split, src.files, cache_dir, streaming), src.repo_id
+        return hf.locate_local(local_path, split, src.repo_id, src.split, src.files)
+    return hf.locate_hub(src.repo_id, revision or src.revision, split, src.split, src.files, cache_dir)
+
+
+def convert_hub(src: HubSource, local_path=None, limit: int | None = None, seed: int = 0, cache_dir=None,
+                revision: str | None = None, streaming: bool = False, split: str | None = None) -> Iterator[dict]:
+    """Yield input-schema records for a Hub dataset (DetailCaps or TextCaps), read with ``datasets``
+    (``pipeline/data/hf_datasets.py``); a revision other than the one asked for is named on stderr.
+    ``streaming``: the first ``limit`` samples of the stream, no subset."""
+    loc = locate(src, local_path, cache_dir, revision, split)
+    if loc.note:
+        print(f"note: {loc.note}", file=sys.stderr, flush=True)
+    yield from convert_located(src, loc, limit, seed, streaming)
+
+
+def convert_located(src: HubSource, loc: hf.Located, limit: int | None = None, seed: int = 0,
+                    streaming: bool = False) -> Iterator[dict]:
+    """Input-schema records of the split ``loc`` found (see :func:`convert_hub`)."""
+    ds, where = hf.open_located(loc, streaming), loc.where
+    source = f"{loc.origin}:{loc.split}"  # a local copy: hashes its files, once
     need = [src.image_column, *src.reference_columns] + ([src.id_column] if src.id_column else [])
     cols = list(ds.column_names or ds.features or [])
     for c in need:
@@ -180,7 +203,7 @@ def convert_hub(src: HubSource, local_path=None, limit: int | None = None, seed:
     def record(key, image, refs) -> dict:
         sid = f"{src.name}-{key}" if src.id_column else f"{src.name}-{key:05d}"
         return {"sample_id": sid, "task": src.task, "prompt": src.prompt, "images": [image], "references": refs,
-                "source": f"{src.repo_id}@{rev[:10]}:{src.split}"}
+                "source": source}
 
     def key_of(r: int, row: dict):
         return row[src.id_column] if src.id_column else r

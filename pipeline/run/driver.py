@@ -97,17 +97,25 @@ def write_embedded_shards(task: str, out_dir: Path, n: int | None = None, layout
 def dataset_shards(spec: str, task: str) -> list[str]:
     """``--dataset``: the named dataset converted in full once, by the task's converter, into input shards under
     ``~/rcr-runs/datasets/`` (a new revision, split or changed local copy gets its own directory). The job
-    then streams them like any shards: resume and ``limit`` work on their sample ids."""
+    then streams them like any shards: resume and ``limit`` work on their sample ids. The Hub's pinned revision,
+    once converted, is used as it is; otherwise the split is located first (a split the copy lacks fails here,
+    before any model work), and the revision read, or the split's files, name the directory."""
     named = convert.parse_dataset(spec, task)
-    cache = default_runs_root() / "datasets" / named.cache_name()
-    if not (cache / shards.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
-        say(f"converting {spec} to input shards in {cache} (once)")
-        try:
-            shards.write_shards(named.records(), cache, prefix=named.source.name)
-        except convert.OfflineError as e:
-            raise ConfigError("dataset", f"{e} (for a job: --dataset <that file or dir>)") from None
-        except shards.DataError as e:
-            raise ConfigError("dataset", str(e)) from None
+    root = default_runs_root() / "datasets"
+    if named.local_path is None and (root / named.cache_name() / shards.SUCCESS_MARKER).is_file():
+        return [str(root / named.cache_name())]
+    try:
+        loc = named.locate()
+        if loc.note:
+            say(loc.note)
+        cache = root / named.cache_name(loc)
+        if not (cache / shards.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
+            say(f"converting {spec} to input shards in {cache} (once)")
+            shards.write_shards(named.records(loc), cache, prefix=named.source.name)
+    except convert.OfflineError as e:
+        raise ConfigError("dataset", f"{e} (for a job: --dataset <that file or dir>)") from None
+    except shards.DataError as e:
+        raise ConfigError("dataset", str(e)) from None
     return [str(cache)]
 
 

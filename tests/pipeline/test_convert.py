@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from pathlib import Path
@@ -49,18 +50,22 @@ def detailcaps_table(n=6, bad_row=None) -> pa.Table:
 IMAGE_STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 
 
-def textcaps_table(ids) -> pa.Table:
-    """Columns as in lmms-lab/TextCaps data/val-*.parquet: `image` is a datasets Image struct."""
+def textcaps_table(ids, references: bool = True) -> pa.Table:
+    """Columns and types as in lmms-lab/TextCaps data/<split>-*.parquet: `question_id` a string, `image` a
+    datasets Image struct, `caption_id` a list of int64 beside `caption_str`; `references=False`: the test
+    split's placeholder, whose captions are null."""
     n = len(ids)
     return pa.table({
-        "question_id": list(range(n)),
+        "question_id": pa.array([f"{ids[i]}-q{i}" for i in range(n)], pa.string()),
         "question": ["Please carefully observe the image and come up with a caption for the image."] * n,
         "image_id": ids,
         "image": pa.array([{"bytes": _jpeg((0, 20 * i % 255, 0)), "path": f"{ids[i]}.jpg"} for i in range(n)],
                           IMAGE_STRUCT),
-        "image_classes": [["Sign"]] * n,
-        "caption_id": list(range(n)),
-        "caption_str": [[f"a sign that says {ids[i]} number {i}", f"second caption {i}"] for i in range(n)],
+        "image_classes": pa.array([["Sign"]] * n, pa.list_(pa.string())),
+        "caption_id": pa.array([[2 * i, 2 * i + 1] if references else None for i in range(n)],
+                               pa.list_(pa.int64())),
+        "caption_str": pa.array([[f"a sign that says {ids[i]} number {i}", f"second caption {i}"] if references
+                                 else None for i in range(n)], pa.list_(pa.string())),
     })
 
 
@@ -83,7 +88,8 @@ def test_detailcaps_local_parquet(tmp_path):
     assert r["references"] == ["gpt4o caption 2", "gpt4v caption 2", "gemini caption 2"]
     assert recs[1]["references"] == ["gpt4o caption 1", "gpt4v caption 1"]  # null reference dropped
     assert np.asarray(data.decode_image(r["images"][0]))[0, 0].tolist() == [20, 0, 0]
-    assert r["source"].startswith("foundation-multimodal-models/DetailCaps-4870@")
+    # a local file records its path and the SHA-256 of its bytes, not the Hub id of a revision it may not be
+    assert r["source"] == f"{f}@sha256:{hashlib.sha256(f.read_bytes()).hexdigest()[:12]}:test"
 
 
 def test_detailcaps_subset_is_fixed_by_seed(tmp_path):
@@ -108,7 +114,7 @@ def test_detailcaps_errors_name_field_and_file(tmp_path):
 
 
 def test_detailcaps_from_hub_cache_offline(tmp_path, monkeypatch):
-    """The real loader (hf_hub_download at the pinned revision) finds a file already in the hub cache."""
+    """Offline, the snapshot of the pinned revision in the hub cache is read, and `source` names it."""
     import huggingface_hub.constants as C
 
     src = convert.DETAILCAPS
@@ -121,6 +127,7 @@ def test_detailcaps_from_hub_cache_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)
     recs = list(convert.convert_detailcaps(cache_dir=str(tmp_path / "hub"), limit=2, seed=0))
     assert len(recs) == 2 and all(r["task"] == "detailcaps" for r in recs)
+    assert {r["source"] for r in recs} == {f"{src.repo_id}@{src.revision[:10]}:test"}
 
 
 def test_offline_without_local_copy_says_so(tmp_path, monkeypatch, capsys):
@@ -151,7 +158,9 @@ def test_textcaps_snapshot_dir_groups_captions(tmp_path):
     assert recs[0]["prompt"] == "Provide a one-sentence caption for the provided image."
     assert all(len(r["images"]) == 1 for r in recs)
     assert data.decode_image(recs[2]["images"][0]).size == (20, 20)
-    assert "lmms-lab/TextCaps@09a9d5e2f0" in recs[0]["source"]
+    files = [snap / "data" / f"val-0000{k}-of-00002.parquet" for k in (0, 1)]  # the split's files, in order
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+    assert {r["source"] for r in recs} == {f"{snap}@sha256:{digest}:val"}
     sub = [r["sample_id"] for r in convert.convert_textcaps(local_path=snap, limit=2, seed=1)]
     assert sub == [r["sample_id"] for r in convert.convert_textcaps(local_path=snap, limit=2, seed=1)]
     assert len(sub) == 2

@@ -175,6 +175,21 @@ def test_changed_rows_replace_the_runs(job):
     assert [p.info.run_id for p in parents] == [second]
 
 
+def test_reference_metrics_absent_without_references(job):
+    """Samples with no references (TextCaps' test split): the parent run says the reference metrics are absent,
+    in a param and in the summary, and no method run carries them; a job with references says what they cover."""
+    assert job["pid"] and _active_runs(job["uri"], "rcr-test")[1][0].data.params["reference_metrics"] == (
+        "on 12 of 12 samples")
+    uri = _store(job["tmp"], "norefs.db")
+    df = make_output_frame(n_samples=4, methods=("full", "rcr"), references=False)
+    tracking.log_job(df=df, config={}, tracking_uri=uri, experiment="norefs", bootstrap_resamples=RES, verbose=False)
+    _, parents, children = _active_runs(uri, "norefs")
+    p = parents[0].data
+    assert p.params["reference_metrics"] == "absent: none of the 4 samples has references"
+    assert "reference metrics (ROUGE-L and CIDEr against references): absent" in p.tags["mlflow.note.content"]
+    assert len(children) == 2 and not any({"rougeL_ref", "cider"} & set(r.data.metrics) for r in children)
+
+
 def test_job_key_and_uri():
     df = make_output_frame(n_samples=3, methods=("full", "rcr"), config_hash="h1")
     a = tracking.job_key(df, {}, "/x/out")

@@ -189,3 +189,17 @@ def test_loglikelihood_and_multi_round_are_refused_in_one_line(model):
         with pytest.raises(NotImplementedError) as e:
             call([_request({})])
         assert "rcr model" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_until_cuts_the_text_and_its_telemetry(model):
+    """A stop string cuts the text where lmms-eval's HF models cut it, and the logged token count (over which the
+    telemetry is summarised) stops at the token that completes the string. A text-only request: no image."""
+    model.task_dict = {"t": {"test": [{}]}}
+    whole, cut = model.generate_until([_request({"max_new_tokens": 16, "until": []}),
+                                       _request({"max_new_tokens": 16, "until": [" at "]})])
+    assert " at " in whole.text
+    assert cut.text == whole.text[: whole.text.index(" at ")].strip()
+    n = cut.token_counts.output_tokens
+    assert cut.token_counts.rcr["output_tokens"] == n < whole.token_counts.output_tokens
+    ids = model.tokenizer(whole.text, add_special_tokens=False)["input_ids"]
+    assert " at " in model.tokenizer.decode(ids[:n]) and " at " not in model.tokenizer.decode(ids[: n - 1])

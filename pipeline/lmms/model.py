@@ -40,6 +40,7 @@ MODEL_ARGS = ("pretrained", "method", "device", "dtype", "batch_size", "max_batc
               "trust_remote_code")
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(RCRConfig) if f.name != "extra")
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_NEW_TOKENS = 512  # rcr.generate's default, for a task that sets none
 # Generation arguments with no effect on a greedy decode once sampling and beams are ruled out: sampling's own
 # knobs, and a LLaVA-specific preprocessing hint some task YAMLs carry (the processor sets the resolution here).
@@ -158,7 +159,12 @@ class RCRModel(lmms):
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
             raise ConfigError(f"model arg max_frames={max_frames!r}: must be an integer >= 1")
         self.fidelity, self.max_frames = fidelity, max_frames
-        self._device = torch.device(_device(device))
+        if dtype not in DTYPES:
+            raise ConfigError(f"model arg dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
+        try:
+            self._device = torch.device(_device(device))
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"model arg device={device!r}: not a torch device ({e})") from None
         self.model, self.processor = rcr.models.load(pretrained, device=self._device, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)

@@ -150,6 +150,8 @@ def test_padded_batch_matches_batch_one(task_dir, rcr_batch1):
     ("method=rcr,rank=0", "RCRConfig.rank"),
     ("method=rcr,tau0=high", "tau0"),
     ("method=rcr,batch_size=auto", "batch_size"),
+    ("method=rcr,dtype=float8", "dtype"),
+    ("method=rcr,device=gpu0", "device"),
     ("method=infinigen,pretrained=Qwen/Qwen2-VL-2B-Instruct", "infinigen_calibration"),
 ])
 def test_bad_model_args_fail_in_one_line(args, named):

@@ -130,6 +130,10 @@ def _device(device: str) -> str:
     return acc.type if acc is not None else "cpu"
 
 
+def _is_video(v) -> bool:
+    return isinstance(v, str) and v.lower().endswith(VIDEO_SUFFIXES)
+
+
 def _flat(visuals) -> list:
     if visuals is None:
         return []
@@ -194,10 +198,10 @@ class RCRModel(lmms):
     def _media(self, visuals, task: str) -> tuple[str, list]:
         """("image" | "video" | "text", the PIL images or video frames) of one request's visuals."""
         items = _flat(visuals)
-        videos = [v for v in items if isinstance(v, str) and v.lower().endswith(VIDEO_SUFFIXES)]
+        videos = [v for v in items if _is_video(v)]
         images = [v for v in items if isinstance(v, Image.Image)]
         if len(videos) + len(images) != len(items):
-            other = next(v for v in items if v not in videos and not isinstance(v, Image.Image))
+            other = next(v for v in items if not (_is_video(v) or isinstance(v, Image.Image)))
             raise ConfigError(f"task {task}: doc_to_visual gave a {type(other).__name__}; the rcr model takes PIL "
                               "images or one video file")
         if not videos:
@@ -210,7 +214,11 @@ class RCRModel(lmms):
                               "(docs/models.md)")
         from transformers.video_utils import load_video
 
-        frames, _ = load_video(videos[0], num_frames=self.max_frames)  # (T, H, W, 3) uint8, uniformly sampled
+        def uniform(metadata, **_):  # up to max_frames frames, evenly spaced (every frame of a shorter video)
+            total = metadata.total_num_frames
+            return np.linspace(0, total - 1, min(self.max_frames, total)).round().astype(int)
+
+        frames, _ = load_video(videos[0], sample_indices_fn=uniform)  # (T, H, W, 3) uint8
         return "video", [Image.fromarray(f) for f in frames]
 
     def _text(self, tokens: np.ndarray, until: tuple[str, ...]) -> tuple[str, int]:

@@ -23,6 +23,7 @@ from lmms_eval import evaluator  # noqa: E402
 from lmms_eval.api.instance import Instance  # noqa: E402
 from lmms_eval.models import get_model  # noqa: E402
 from lmms_eval.tasks import TaskManager  # noqa: E402
+from PIL import Image  # noqa: E402
 
 import rcr  # noqa: E402
 import rcr.models  # noqa: E402
@@ -205,3 +206,32 @@ def test_until_cuts_the_text_and_its_telemetry(model):
     assert cut.token_counts.rcr["output_tokens"] == n < whole.token_counts.output_tokens
     ids = model.tokenizer(whole.text, add_special_tokens=False)["input_ids"]
     assert " at " in model.tokenizer.decode(ids[:n]) and " at " not in model.tokenizer.decode(ids[: n - 1])
+
+
+def test_a_video_file_is_decoded_as_rcr_generate_decodes_its_frames(tmp_path):
+    """A task's video file (an H.264 .mp4 of an embedded video scene, written with PyAV, lmms-eval's video
+    dependency) is a video request: the model's text is rcr.generate's on the same file's frames."""
+    import av
+    from transformers.video_utils import load_video
+
+    frames, _ = synthetic.render("video", synthetic.HELDOUT_SEED, 0)
+    path = tmp_path / "scene.mp4"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=4)
+        stream.width, stream.height, stream.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
+        for f in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        out.mux(stream.encode())
+    m = get_model("rcr").create_from_arg_string("pretrained=embedded,method=full")
+    m.task_dict = {"t": {"test": [{}]}}
+    prompt = synthetic.PROMPTS["video"]
+    req = Instance(request_type="generate_until", idx=0, metadata={"task": "t", "doc_id": 0, "repeats": 1},
+                   arguments=(prompt, {"max_new_tokens": 16, "until": []}, lambda doc: [str(path)], 0, "t", "test"))
+    (got,) = m.generate_until([req])
+    decoded, _ = load_video(str(path))  # every frame: the video is shorter than max_frames (32)
+    assert len(decoded) == len(frames)
+    inputs = rcr.models.build_inputs(m.processor, [prompt], [[Image.fromarray(f) for f in decoded]], video=True)
+    with torch.inference_mode():
+        res = rcr.generate(m.model, inputs, method="full", max_new_tokens=16)
+    assert got.text == m.tokenizer.decode(res.sample(0)["tokens"], skip_special_tokens=True).strip()
+    assert got.token_counts.input_tokens == int(inputs["attention_mask"].sum())

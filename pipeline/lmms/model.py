@@ -154,8 +154,8 @@ class RCRModel(lmms):
         self.config = rcr_config(method, pretrained, fields)  # every check before the model loads
         self.method = method
         if not (isinstance(batch_size, int) or str(batch_size).isdigit()) or int(batch_size) < 1:
-            raise ConfigError(f"model arg batch_size={batch_size!r}: must be an integer >= 1 (no 'auto': the "
-                              "cost of a method's decode does not follow from one forward pass)")
+            raise ConfigError(f"model arg batch_size={batch_size!r}: must be an integer >= 1 (the rcr model has "
+                              "no automatic batch sizing)")
         self.batch_size_per_gpu = int(batch_size)
         for name, value in (("fidelity", fidelity), ("trust_remote_code", trust_remote_code)):
             if not isinstance(value, bool):

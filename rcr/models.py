@@ -194,6 +194,8 @@ def build_inputs(processor, prompts: list[str], images: list[list], video: bool 
         msgs = [{"role": "user", "content": [*media, {"type": "text", "text": prompt}]}]
         texts.append(processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
     processor.tokenizer.padding_side = "left"
+    if not any(images):  # text only
+        return processor(text=texts, return_tensors="pt", padding=True)
     if video:
         return processor(text=texts, videos=[list(f) for f in images], return_tensors="pt", padding=True)
     return processor(text=texts, images=[list(f) for f in images], return_tensors="pt", padding=True)

@@ -9,7 +9,7 @@ import logging
 import torch
 
 import rcr
-from rcr.models import STALE_WINDOW_NOTICE, geometry, load
+from rcr.models import STALE_WINDOW_NOTICE, build_inputs, geometry, load
 from tests import tiny_models
 from tests.rcr.test_equivalence import BIG, N_NEW, hf_greedy
 
@@ -70,3 +70,18 @@ def test_a_local_first_layer_decodes_as_transformers_with_every_entry_selected(t
     for label, r in res.items():
         assert torch.equal(r.sequences, ref), label
         assert torch.isnan(torch.from_numpy(r.telemetry.trigger[:, 0])).all(), label  # never re-selected
+
+
+def test_build_inputs_without_images_decodes_as_transformers():
+    """A text-only batch (no sample has an image: lmms-eval's text tasks) builds without image inputs, left padded,
+    and every method decodes it as transformers does: with a 6-entry window the prefix is what precedes it."""
+    for make in (tiny_models.qwen2_vl, tiny_models.llava):
+        model, proc = make()
+        prompts = [tiny_models.random_prompt(0, 3), tiny_models.random_prompt(1, 30)]
+        inputs = build_inputs(proc, prompts, [[], []])
+        assert "pixel_values" not in inputs and not inputs["attention_mask"].bool().all()
+        res = rcr.generate(model, inputs, method=["full", "rcr"], max_new_tokens=N_NEW,
+                           config=BIG.replace(window=6), ignore_eos=True)
+        ref = hf_greedy(model, inputs, N_NEW)
+        for label, r in res.items():
+            assert torch.equal(r.sequences, ref), (make.__name__, label)

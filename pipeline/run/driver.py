@@ -36,7 +36,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline import preflight, quiet
-from pipeline.analysis import mlflow_ui, report, tracking
+from pipeline.analysis import mlflow_store, mlflow_ui, report, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.data import convert, shards, synthetic
 from pipeline.run import calibration, placement, ray_local
@@ -500,10 +500,11 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
         info = tracking.log_job(df=df, config=cfg.to_dict(), analysis=analysis, tracking_uri=cfg.mlflow_uri,
                                 experiment=cfg.experiment, output_dir=cfg.output_dir, job_name=cfg.job_name)
         out["mlflow"] = info
-    except Exception as e:  # noqa: BLE001
-        out["mlflow_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        say(f"MLflow logging failed ({out['mlflow_error']}); the Parquet output is complete. Log it when the "
-            f"server is back: python jobs/backfill_mlflow.py --output-dir {cfg.output_dir} "
+    except Exception as e:  # noqa: BLE001 - the rows are written: report, and exit with MLFLOW_FAILED_EXIT
+        out["mlflow_error"] = mlflow_store.error_cause(e)
+        when = "when the server answers again" if mlflow_ui.is_server(cfg.mlflow_uri) else "once that is fixed"
+        say(f"MLflow logging failed ({out['mlflow_error']}); any run it started is marked FAILED, and the Parquet "
+            f"output is complete. Log it {when}: python jobs/backfill_mlflow.py --output-dir {cfg.output_dir} "
             f"--tracking-uri {cfg.mlflow_uri}")
     return out
 

@@ -59,7 +59,7 @@ def test_kuberay_rayjob_is_valid_and_names_the_entry_points():
 
 
 def test_scripts_parse():
-    for s in ("local_cluster.sh", "quickstart.sh"):
+    for s in ("local_cluster.sh", "quickstart.sh", "mlflow_server.sh"):
         r = subprocess.run(["bash", "-n", str(REPO / "infra" / s)], check=False, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
 

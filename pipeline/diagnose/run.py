@@ -49,6 +49,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-samples", type=int, default=DEFAULT_PROBE_SAMPLES,
                    help="samples the per-layer probes answer again on the driver, with eager attention (0: skip "
                         f"them) (default: {DEFAULT_PROBE_SAMPLES})")
+    # the job flags whose default is the premise check's own (job_config), not the evaluation job's
+    own = {"limit": f"first N input rows, in shard order (default: {DEFAULT_LIMIT})",
+           "methods": f"comma-separated method labels added to the ones the figures need ({', '.join(METHODS)}); "
+                      "'fixed@TAU' runs fixed with that tau (default: none added)",
+           "job_name": "names the output dir and the MLflow run (default: diagnose-<task>-<model name>, e.g. "
+                       "diagnose-detailcaps-embedded)",
+           "rcr": "an rcr.RCRConfig field, repeatable (default: the paper's values, with record_attention=true and "
+                  "exact_drift=true)",
+           "summary": argparse.SUPPRESS}  # the per-method summary is always off: the premise table replaces it
+    for action in p._actions:
+        if action.dest in own:
+            action.help = own[action.dest]
     return p
 
 

@@ -166,6 +166,9 @@ def _ray_init(cfg: JobConfig):
         # GCS, raylet and workers there, unless this is 0 (read when ray is first imported)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # actors' lines reach the driver's log without ANSI colours
+    # ... and without Ray's "(MapWorker(MapBatches(SampleEvaluator)) pid=...)" prefix: they are the job's own lines
+    # (read when ray is first imported, as above)
+    os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
     import ray
 
     if ray.is_initialized():

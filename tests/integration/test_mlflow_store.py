@@ -96,12 +96,12 @@ def readme_mlflow_ui(env: dict, tmp: Path) -> Served:
 
 
 def job_env(**extra: str) -> dict:
-    env = subprocess_env(**extra)
+    """The environment of the jobs and servers: this venv on PATH, no store named but by ``extra``."""
+    env = subprocess_env()
     env["PATH"] = f"{Path(PY).parent}:{env.get('PATH', '')}"
     for k in ("MLFLOW_TRACKING_URI", "RCR_RUNS_DIR"):
         env.pop(k, None)
-    env.update(extra)
-    return env
+    return {**env, **extra}
 
 
 def run_job(tmp: Path, name: str, env: dict, mlflow: str | None = None) -> tuple[str, str]:

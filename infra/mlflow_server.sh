@@ -7,7 +7,7 @@
 # RUNS_DIR/mlflow.db and the artifact directory RUNS_DIR/mlartifacts. An experiment this server makes keeps its
 # artifacts there as plain files (--default-artifact-root file://...), where a job writing to the database directly
 # puts them too, and from where `mlflow ui` serves them once this server is stopped. --artifacts-destination: the
-# same directory for an experiment an older, proxying server made (artifact location mlflow-artifacts:/<id>).
+# same directory for an experiment a proxying server made (artifact location mlflow-artifacts:/<id>).
 set -euo pipefail
 if [ $# -ne 2 ]; then
   echo "usage: $0 RUNS_DIR PORT" >&2

@@ -9,10 +9,10 @@ through that server and a job writing to the database put their plots in the sam
 ``mlflow ui`` once it is stopped, serves them from there (``/get-artifact`` reads a ``file://`` run location itself).
 
 An experiment made by a server that proxies artifacts (``mlflow server`` without ``--default-artifact-root``) has an
-``mlflow-artifacts:/<path>`` location, which MLflow's client writes only through that server. The local cluster's
-server keeps such artifacts in ``<runs>/mlartifacts/<path>`` (its ``--artifacts-destination``; so did the older one,
-which made every experiment this way), so a job writing to the database writes them there itself (:func:`upload`),
-and the ``mlflow ui`` command a job prints passes the same ``--artifacts-destination`` (``mlflow_ui.serve_hint``).
+``mlflow-artifacts:/<path>`` location, which MLflow's client writes only through that server; a server started with
+``--artifacts-destination <runs>/mlartifacts`` (as the local cluster's is) keeps them in
+``<runs>/mlartifacts/<path>``. So a job writing to the database writes them there itself (:func:`upload`), and the
+``mlflow ui`` command a job prints passes the same ``--artifacts-destination`` (``mlflow_ui.serve_hint``).
 
 **Failures.** A logging call that fails part way marks every run it started FAILED (:func:`fail_runs`), so no run
 is left RUNNING; :func:`error_cause` is the one-line cause the entry points print.

@@ -8,8 +8,8 @@ from the server or `mlflow ui` that serves the store then, and that no run is le
     through it (as the quickstart's), then plain jobs to the default store while it runs and after it stops;
 (b) a plain job first, then the server, and a job through it;
 (c) `mlflow ui` exactly as the README gives it, on the stopped store;
-(d) a store whose experiment an older, proxying server made (`mlflow-artifacts:/1`, the store of the issue): a
-    plain job logs to it, and the README's `mlflow ui` serves both runs' plots.
+(d) a store whose experiment a proxying server made (`mlflow-artifacts:/1`): a plain job logs to it, and the
+    README's `mlflow ui` serves both runs' plots.
 
 A job is the driver without Ray (tests/inline_driver.py: the job's config, summary and MLflow logging, the fake
 engine), a subprocess like `python jobs/detailcaps.py`. Servers run in their own process groups and are stopped by
@@ -210,10 +210,10 @@ def test_readme_mlflow_ui_on_the_stopped_store_serves_the_plots(tmp_path):
 
 
 def test_a_store_a_proxying_server_made_takes_plain_jobs_and_the_readme_ui_serves_it(tmp_path):
-    """(d) The store of an older local cluster: its server proxied artifacts (no --default-artifact-root), so the
-    experiment's location is `mlflow-artifacts:/1`, which MLflow's client writes only through that server. After it
-    stops, a plain job logs to the store all the same (its plots where that server kept them, ~/rcr-runs/
-    mlartifacts/1/...), and the README's `mlflow ui` serves both jobs' plots."""
+    """(d) A server that proxies artifacts (no --default-artifact-root) makes the experiment: its location is
+    `mlflow-artifacts:/1`, which MLflow's client writes only through that server. After it stops, a plain job logs to
+    the store all the same (its plots where that server keeps them, ~/rcr-runs/mlartifacts/1/...), and the README's
+    `mlflow ui` serves both jobs' plots."""
     home = tmp_path / "home"
     runs = home / "rcr-runs"
     runs.mkdir(parents=True)

@@ -10,9 +10,13 @@
    there that point into a removed session (`session_latest`, ...), and the directory itself once nothing else
    is left in it (but the `ray_current_cluster` file `ray start --temp-dir` writes there).
 3. RUNS_DIR itself.
+4. The builds of rcr's fused CPU kernels (rcr/fused.py: `rcr_ops_<hash>` directories) in torch's extension cache:
+   $TORCH_EXTENSIONS_DIR, else `torch_extensions/<python>_<accelerator>/` in $XDG_CACHE_HOME or ~/.cache; then
+   those directories themselves where nothing else is left in them. A later job builds the kernels again (about a
+   minute).
 
-Other sessions in the temp dir (another runs directory's, another user's cluster) and Ray's shared /tmp/ray are
-never touched. One line is printed per thing removed.
+Other sessions in the temp dir (another runs directory's, another user's cluster), Ray's shared /tmp/ray and other
+extensions in torch's cache are never touched. One line is printed per thing removed.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 from pathlib import Path
 
 SESSIONS_FILE = "ray-sessions"  # pipeline/run/ray_local.py writes it too
+KERNEL_PREFIX = "rcr_ops_"  # rcr/fused.py names its builds rcr_ops_<hash of the sources and flags>
 
 
 def say(msg: str) -> None:
@@ -73,6 +78,31 @@ def tidy_temp_dir(root: Path, removed: list[Path]) -> None:
         say(f"removed {root} (nothing else was left in it)")
 
 
+def kernel_builds() -> list[Path]:
+    """rcr's fused-kernel build directories in torch's extension cache, where ``torch.utils.cpp_extension`` puts
+    them (``_get_build_directory``): ``$TORCH_EXTENSIONS_DIR/<name>``, else
+    ``<cache>/torch_extensions/<python>_<accelerator>/<name>``."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return sorted(p for p in Path(root).glob(f"{KERNEL_PREFIX}*") if p.is_dir() and not p.is_symlink())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    return sorted(p for p in cache.glob(f"*/{KERNEL_PREFIX}*") if p.is_dir() and not p.is_symlink())
+
+
+def remove_kernel_builds() -> None:
+    builds = kernel_builds()
+    for p in builds:
+        shutil.rmtree(p)
+        say(f"removed the fused kernels' build {p}")
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return  # a directory the user named: kept
+    for d in dict.fromkeys(p.parent for p in builds):  # <python>_<accelerator>, then torch_extensions
+        for empty in (d, d.parent):
+            if empty.is_dir() and not any(empty.iterdir()):
+                empty.rmdir()
+                say(f"removed {empty} (nothing else was left in it)")
+
+
 def refuse_runs_dir(runs: Path) -> str | None:
     """Why ``runs`` must not be removed whole (a root, the home directory, a directory holding this checkout)."""
     repo = Path(__file__).resolve().parents[1]
@@ -105,6 +135,7 @@ def main(argv: list[str]) -> int:
     if runs.exists():
         shutil.rmtree(runs)
         say(f"removed {runs}")
+    remove_kernel_builds()
     return 0
 
 

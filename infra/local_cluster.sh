@@ -32,13 +32,14 @@
 # cluster): with it, the GCS, raylet, agent, client server and metrics servers all bind to 127.0.0.1.
 set -euo pipefail
 
-RUNS="${RCR_RUNS_DIR:-$HOME/rcr-runs}"
+RUNS="$(realpath -m "${RCR_RUNS_DIR:-$HOME/rcr-runs}")"
 STATE="$RUNS/local-cluster"
 HOST=127.0.0.1
 PY="${PYTHON:-python}"
 RAY_TMP="${RCR_RAY_TMP:-/tmp/rcr-ray-$(id -u)}"   # short: Ray's unix socket paths must stay under 108 bytes
 PORTS_PY="$(cd "$(dirname "$0")" && pwd)/ports.py"
 CLEAN_PY="$(cd "$(dirname "$0")" && pwd)/clean.py"
+MLFLOW_SH="$(cd "$(dirname "$0")" && pwd)/mlflow_server.sh"
 READY_TIMEOUT="${RCR_READY_TIMEOUT:-300}"
 
 say() { echo "[local-cluster] $*"; }
@@ -214,9 +215,8 @@ start() {
     wait_http "http://$HOST:$MLFLOW_PORT/health" 5 || fail "the MLflow server (pid $(cat "$STATE/mlflow.pid")) does not answer on $HOST:$MLFLOW_PORT$(w=$(holder_of "$MLFLOW_PORT"); [ -n "$w" ] && echo " (port held by $w)"). Run: $0 stop && $0 start"
   else
     say "starting MLflow on http://$HOST:$MLFLOW_PORT, store sqlite:///$RUNS/mlflow.db (log: $STATE/mlflow.log)"
-    setsid nohup mlflow server --host "$HOST" --port "$MLFLOW_PORT" \
-      --backend-store-uri "sqlite:///$RUNS/mlflow.db" --artifacts-destination "$RUNS/mlartifacts" \
-      --workers 1 > "$STATE/mlflow.log" 2>&1 < /dev/null &
+    # the store's layout and the server's flags: infra/mlflow_server.sh
+    setsid nohup "$MLFLOW_SH" "$RUNS" "$MLFLOW_PORT" > "$STATE/mlflow.log" 2>&1 < /dev/null &
     echo $! > "$STATE/mlflow.pid"
     say "waiting for MLflow to answer (up to 120 s)"
     if ! wait_http "http://$HOST:$MLFLOW_PORT/health" 120 "$STATE/mlflow.pid"; then

@@ -10,15 +10,21 @@ parent with the same data fingerprint and skips it; changed rows replace the old
 One parent run per config hash found in the directory. The job config comes from the run records the
 pipeline writes (``<output_dir>/_runs/*.json``, latest record of that config hash), else from a
 ``config.json`` / ``config.yaml`` in the directory, else from the rows (job name, model, config hash).
-The tracking URI and experiment default to the config's (``mlflow_uri``, ``experiment``), else
-``sqlite:///mlflow.db`` (made absolute) and ``rcr-eval``.
+The tracking URI and experiment default to the config's (``mlflow_uri``, ``experiment``), else the jobs'
+default store (``~/rcr-runs/mlflow.db``, or under ``$RCR_RUNS_DIR``) and ``rcr-eval``.
+
+Exit status: 0 logged (or already up to date); 2 no such directory, or no rows in it; 3 MLflow logging failed
+(one line says why; the runs it started are marked FAILED, and running it again replaces them).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
+
+MLFLOW_FAILED_EXIT = 3  # as the jobs' (pipeline/run/driver.py)
 
 if __package__ in (None, ""):  # `python jobs/backfill_mlflow.py` from the repository root or elsewhere
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -60,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-dir", required=True, help="the job's Parquet output directory")
-    ap.add_argument("--tracking-uri", help="MLflow tracking URI (default: the job config's, else sqlite:///mlflow.db)")
+    ap.add_argument("--tracking-uri", help="MLflow tracking URI (default: the job config's, else "
+                    "sqlite:///<runs dir>/mlflow.db, the jobs' default store)")
     ap.add_argument("--experiment", help="experiment name (default: the job config's, else rcr-eval)")
     ap.add_argument("--bootstrap-resamples", type=int, default=None, help="default 10000")
     ap.add_argument("--seed", type=int, default=None, help="bootstrap seed (default 0)")
@@ -71,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import pandas as pd
 
-    from pipeline.analysis import report, tracking
+    from pipeline.analysis import mlflow_store, report, tracking
     from pipeline.analysis.analyze import analyze
+    from pipeline.run.config import default_tracking_uri
 
     out = Path(args.output_dir).expanduser().resolve()
     if not out.is_dir():
@@ -95,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg:
             cfg = {"job_name": tracking.joined_unique(part, "job_name"), "model": tracking.joined_unique(part, "model")}
         cfg.setdefault("config_hash", ch)
-        uri = tracking.resolve_tracking_uri(args.tracking_uri or cfg.get("mlflow_uri") or tracking.DEFAULT_TRACKING_URI)
+        uri = tracking.resolve_tracking_uri(args.tracking_uri or cfg.get("mlflow_uri") or default_tracking_uri())
         exp = args.experiment or cfg.get("experiment") or tracking.DEFAULT_EXPERIMENT
         job_name = cfg.get("job_name") or tracking.joined_unique(part, "job_name") or out.name
         n_res = args.bootstrap_resamples or int(cfg.get("bootstrap_resamples", 10_000))
@@ -107,9 +115,16 @@ def main(argv: list[str] | None = None) -> int:
             analysis = analyze(part, bootstrap_resamples=n_res, seed=seed)
             print(report.format_summary(analysis))
         art = Path(args.artifacts_dir) / (ch or "job") if args.artifacts_dir else None
-        pid = tracking.log_job(part, cfg, tracking_uri=uri, experiment=exp, job_name=job_name, artifacts_dir=art,
-                               analysis=analysis, output_dir=str(out), bootstrap_resamples=n_res, seed=seed,
-                               force=args.force)
+        try:
+            tracking.check_tracking_server(uri)
+            pid = tracking.log_job(part, cfg, tracking_uri=uri, experiment=exp, job_name=job_name,
+                                   artifacts_dir=art, analysis=analysis, output_dir=str(out), bootstrap_resamples=n_res,
+                                   seed=seed, force=args.force)
+        except Exception as e:  # noqa: BLE001 - one line and exit 3, not a traceback
+            again = shlex.join(["python", "jobs/backfill_mlflow.py", *(sys.argv[1:] if argv is None else argv)])
+            print(f"[backfill] MLflow logging failed ({mlflow_store.error_cause(e)}); any run it started is marked "
+                  f"FAILED. Run it again once that is fixed: {again}", file=sys.stderr)
+            return MLFLOW_FAILED_EXIT
         ids.append(pid)
     print("[backfill] parent run(s): " + ", ".join(ids))
     return 0

@@ -75,7 +75,7 @@ def resolve_model(model: str, cache_dir: str | None = None) -> str:
 
 
 def _resolve_hub_id(repo_id: str, cache_dir: str | None) -> str:
-    from huggingface_hub import hf_hub_download, is_offline_mode, snapshot_download
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, is_offline_mode, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HFValidationError,
@@ -95,6 +95,14 @@ def _resolve_hub_id(repo_id: str, cache_dir: str | None) -> str:
     if is_offline_mode():
         raise PreflightError("model", repo_id, unreachable + " (HF_HUB_OFFLINE is set)")
     try:  # online: the Hub must know the id and serve its config; the actors download the rest
+        # one request first, without retries: hf_hub_download retries a Hub it cannot reach for half a minute,
+        # logging a line per try, before it gives up
+        try:
+            get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=10)
+        except (GatedRepoError, RepositoryNotFoundError, RemoteEntryNotFoundError):
+            raise
+        except Exception:  # noqa: BLE001 - a connection error of whichever HTTP client huggingface_hub uses
+            raise PreflightError("model", repo_id, unreachable) from None
         return str(Path(hf_hub_download(repo_id, "config.json", cache_dir=cache_dir)).parent)
     except GatedRepoError:
         raise PreflightError("model", repo_id, "the repository is gated: accept its terms on huggingface.co and "

@@ -38,6 +38,7 @@ NOISE = {
     "Ray log record (INFO/SUCC/DEBUG/WARNING)": re.compile(r"^\S+ \S+\t(INFO|SUCC|DEBUG|WARNING) "),
     "Ray CLI banner": re.compile(r"Next steps|submitted successfully|Tailing logs until"),
     "actor-restart notice": re.compile(r"max_restarts > 0"),
+    "Ray's actor prefix": re.compile(r"^\((MapWorker|\w+)[^)]* pid=\d+"),
     "Ray Data memory warning": re.compile(r"memory per worker|logical memory was"),
     "CUDA_HOME probe": re.compile(r"No CUDA runtime is found"),
     "glog-style info/warning line": re.compile(r"^[IW]\d{4} \d\d:\d\d:\d\d"),

@@ -32,8 +32,12 @@ nothing and returns that run's id. Otherwise the new set of runs is logged first
 point leaves at most one complete set, and the next call cleans up. ``jobs/backfill_mlflow.py`` uses
 the same function to rebuild the runs from a Parquet output directory.
 
-The experiment is tagged as model development, and the URLs printed open the UI on the runs
-(``pipeline/analysis/mlflow_ui.py``).
+Where: a store's experiment keeps its artifacts in the store's own ``mlartifacts/`` directory, whichever entry
+point made it (``pipeline/analysis/mlflow_store.py``). A call that fails part way marks the runs it started FAILED
+and raises; the caller prints ``mlflow_store.error_cause`` of it.
+
+The experiment is tagged as model development, and the URLs printed open the UI on the runs, with their figures as
+columns and charts (``pipeline/analysis/mlflow_ui.py``).
 """
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline.analysis import fixed_tuning, mlflow_ui, report
+from pipeline.analysis import fixed_tuning, mlflow_store, mlflow_ui, report
 from pipeline.analysis.analyze import Analysis, analyze
 from pipeline.analysis.labels import order_methods
 from pipeline.analysis.telemetry import refresh_by_step
@@ -150,13 +154,8 @@ def _experiment_id(client, name: str, tracking_uri: str) -> str:
             client.restore_experiment(exp.experiment_id)
         mlflow_ui.mark_experiment_kind(client, exp)
         return exp.experiment_id
-    artifact_location = None
-    if tracking_uri.startswith("sqlite:///") and not tracking_uri.endswith(":memory:"):
-        # next to the database, not ./mlruns of whatever directory the driver happens to run in
-        db = Path(tracking_uri[len("sqlite:///"):])
-        artifact_location = (db.parent / "mlartifacts").resolve().as_uri()
     try:
-        return client.create_experiment(name, artifact_location=artifact_location,
+        return client.create_experiment(name, artifact_location=mlflow_store.experiment_location(tracking_uri),
                                         tags={mlflow_ui.EXPERIMENT_KIND_TAG: mlflow_ui.EXPERIMENT_KIND})
     except Exception:  # created concurrently
         exp = client.get_experiment_by_name(name)
@@ -265,11 +264,14 @@ def joined_unique(df: pd.DataFrame, col: str) -> str | None:
 
 
 def _delete_runs(client, runs: list, keep: set[str]) -> int:
+    """Delete ``runs`` but ``keep``; one an interrupted call left RUNNING is marked FAILED first."""
     n = 0
     for r in runs:
         if r.info.run_id in keep:
             continue
         try:
+            if r.info.status == "RUNNING":
+                client.set_terminated(r.info.run_id, "FAILED")
             client.delete_run(r.info.run_id)
             n += 1
         except Exception as e:  # noqa: BLE001
@@ -292,7 +294,7 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
             are read from it when not given as arguments.
         tracking_uri: any MLflow URI; default ``sqlite:///mlflow.db``, relative paths made absolute.
         experiment: experiment name (created if missing; for a sqlite store its artifacts go to
-            ``mlartifacts/`` next to the database file).
+            ``mlartifacts/`` next to the database file, ``mlflow_store.py``).
         job_name: the parent run's name (default: ``config["job_name"]``, else the rows' ``job_name``).
         artifacts_dir: where the plots and tables are written before upload (kept); default: a
             temporary directory (removed).
@@ -303,6 +305,10 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
 
     Returns:
         The parent run id (of the existing run when nothing had to be logged).
+
+    Raises:
+        Whatever the store raises; the runs this call started are then marked FAILED, and the next call with the
+        same job deletes them.
     """
     config = dict(config or {})
     tracking_uri = resolve_tracking_uri(tracking_uri)
@@ -319,6 +325,7 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     client = _client(tracking_uri)
     exp_id = _experiment_id(client, experiment, tracking_uri)
     key = job_key(df, config, output_dir, job_name)
+    mlflow_ui.set_job_view(client, exp_id, key)  # what the printed runs URL opens (also for runs logged without it)
     fp = data_fingerprint(df, {"bootstrap_resamples": bootstrap_resamples, "seed": seed})
     existing = find_job_runs(client, exp_id, key)
     done = None if force else _complete_parent(client, existing, fp)
@@ -331,9 +338,15 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     if analysis is None:
         analysis = analyze(df, bootstrap_resamples=bootstrap_resamples, seed=seed)
     summary = report.format_summary(analysis)
-    with _artifacts_dir(artifacts_dir) as adir, _quiet_run_urls():
-        parent_id = _log_new(client, exp_id, df, config, analysis, summary, adir, key=key, fp=fp,
-                             job_name=job_name, output_dir=output_dir, tracking_uri=tracking_uri, rho=rho)
+    started: list[str] = []  # the runs this call creates, marked FAILED if it does not finish
+    try:
+        with _artifacts_dir(artifacts_dir) as adir, _quiet_run_urls():
+            parent_id = _log_new(client, exp_id, df, config, analysis, summary, adir, key=key, fp=fp,
+                                 job_name=job_name, output_dir=output_dir, tracking_uri=tracking_uri, rho=rho,
+                                 started=started)
+    except BaseException:
+        mlflow_store.fail_runs(client, started)
+        raise
     # only now remove what this replaces (an older set with the same key, or an interrupted one)
     n_del = _delete_runs(client, existing, {parent_id})
     if verbose:
@@ -408,8 +421,10 @@ def check_tracking_server(uri: str) -> None:
 
 
 def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, summary: str, adir: Path, *,
-             key: str, fp: str, job_name: str, output_dir: str | None, tracking_uri: str, rho: float) -> str:
-    """One parent run (params, dataset, metrics, artifacts), then one child run per (model, method)."""
+             key: str, fp: str, job_name: str, output_dir: str | None, tracking_uri: str, rho: float,
+             started: list[str]) -> str:
+    """One parent run (params, dataset, metrics, artifacts), then one child run per (model, method); each run's id
+    goes to ``started`` as it is created."""
     commit, dirty = _git_commit()
     commit = config.get("git_commit") or commit
     models = a.meta.get("models") or [""]
@@ -425,7 +440,9 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
     }
     if dirty is not None:
         tags["rcr.git_dirty"] = str(dirty).lower()
-    pid = client.create_run(exp_id, run_name=job_name, tags=tags).info.run_id
+    parent = client.create_run(exp_id, run_name=job_name, tags=tags)
+    pid = parent.info.run_id
+    started.append(pid)
 
     params = {f"config.{k}": v for k, v in _flatten(config).items() if k}
     params.update({
@@ -450,9 +467,10 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
     tuned_params, tuned_metrics = fixed_tuning.mlflow_values(a.fixed_comparison, multi=len(models) > 1)
     _log_params(client, pid, tuned_params)
     _log_metrics(client, pid, tuned_metrics)
-    _log_artifacts(client, pid, df, a, summary, config, adir, rho)
+    _log_artifacts(client, tracking_uri, parent, df, a, summary, config, adir, rho)
     for _, row in a.methods.iterrows():
-        _log_child(client, exp_id, pid, df, a, row, key=key, job_name=job_name, commit=commit, multi=len(models) > 1)
+        _log_child(client, exp_id, pid, df, a, row, key=key, job_name=job_name, commit=commit, multi=len(models) > 1,
+                   started=started)
     client.set_tag(pid, TAG_COMPLETE, "1")
     client.set_terminated(pid, "FINISHED")
     return pid
@@ -479,9 +497,10 @@ def _parent_metrics(a: Analysis, multi: bool) -> dict[str, Any]:
     return pm
 
 
-def _log_artifacts(client, pid: str, df: pd.DataFrame, a: Analysis, summary: str, config: dict, adir: Path,
-                   rho: float) -> None:
-    """Plots, tables, the summary, the analysis settings and the config, written to ``adir`` and uploaded."""
+def _log_artifacts(client, tracking_uri: str, run, df: pd.DataFrame, a: Analysis, summary: str, config: dict,
+                   adir: Path, rho: float) -> None:
+    """Plots, tables, the summary, the analysis settings and the config, written to ``adir`` and uploaded to
+    ``run``'s location (``mlflow_store.upload``)."""
     from pipeline.analysis import plots
 
     pdir, tdir = adir / "plots", adir / "tables"
@@ -499,20 +518,21 @@ def _log_artifacts(client, pid: str, df: pd.DataFrame, a: Analysis, summary: str
     atomic_write_text(json.dumps(a.meta, indent=1, default=str), adir / "analysis_meta.json")
     atomic_write_text(json.dumps(config, indent=1, default=str), adir / "config.json")
     if pdir.is_dir():
-        client.log_artifacts(pid, str(pdir), "plots")
-    client.log_artifacts(pid, str(tdir), "tables")
+        mlflow_store.upload(client, tracking_uri, run, pdir, "plots")
+    mlflow_store.upload(client, tracking_uri, run, tdir, "tables")
     for f in ("summary.txt", "analysis_meta.json", "config.json"):
-        client.log_artifact(pid, str(adir / f))
+        mlflow_store.upload(client, tracking_uri, run, adir / f)
 
 
 def _log_child(client, exp_id: str, pid: str, df: pd.DataFrame, a: Analysis, row: pd.Series, *, key: str,
-               job_name: str, commit: str, multi: bool) -> None:
+               job_name: str, commit: str, multi: bool, started: list[str]) -> None:
     """One method's run: every column of its ``Analysis.methods`` row as a metric (they derive from the
     output schema, see ``METHOD_MEANS``), its tercile and correlation figures, and its per-step series."""
     method, model = str(row.method), str(row.model)
     ctags = {"mlflow.parentRunId": pid, TAG_KEY: key, TAG_ROLE: "method", "rcr.method": method,
              "rcr.model": model, "rcr.job_name": job_name, "mlflow.source.git.commit": commit}
     cid = client.create_run(exp_id, run_name=f"{method} [{model}]" if multi else method, tags=ctags).info.run_id
+    started.append(cid)
     _log_params(client, cid, {"method": method, "model": model,
                               "sweep_tau": row.get("sweep_tau") if _finite(row.get("sweep_tau")) else None})
     cm = {k: v for k, v in row.items() if k not in ("model", "method")}

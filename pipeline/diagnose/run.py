@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from pipeline import quiet
-from pipeline.analysis import tracking
+from pipeline.analysis import mlflow_store, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.analysis.labels import BACON, EXACT, FIXED, FULL, PREFILL_ORACLE
 from pipeline.diagnose import premises
@@ -48,6 +49,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-samples", type=int, default=DEFAULT_PROBE_SAMPLES,
                    help="samples the per-layer probes answer again on the driver, with eager attention (0: skip "
                         f"them) (default: {DEFAULT_PROBE_SAMPLES})")
+    # the job flags whose default is the premise check's own (job_config), not the evaluation job's
+    own = {"limit": f"first N input rows, in shard order (default: {DEFAULT_LIMIT})",
+           "methods": f"comma-separated method labels added to the ones the figures need ({', '.join(METHODS)}); "
+                      "'fixed@TAU' runs fixed with that tau (default: none added)",
+           "job_name": "names the output dir and the MLflow run (default: diagnose-<task>-<model name>, e.g. "
+                       "diagnose-detailcaps-embedded)",
+           "rcr": "an rcr.RCRConfig field, repeatable (default: the paper's values, with record_attention=true and "
+                  "exact_drift=true)",
+           "summary": argparse.SUPPRESS}  # the per-method summary is always off: the premise table replaces it
+    for action in p._actions:
+        if action.dest in own:
+            action.help = own[action.dest]
     return p
 
 
@@ -148,25 +161,31 @@ def plot(a, layers: list[dict] | None, treated, path: Path) -> Path:
 
 
 def log_run(cfg: JobConfig, figs: list[premises.Figure], files: list[Path], n_samples: int) -> str:
-    """One MLflow run: the config as params, the figures as metrics, the tables and plot as artifacts."""
+    """One MLflow run: the config as params, the figures as metrics, the tables and plot as artifacts. A failure
+    part way marks the run FAILED and raises."""
     uri = tracking.resolve_tracking_uri(cfg.mlflow_uri)
     client = tracking._client(uri)
     exp_id = tracking._experiment_id(client, cfg.experiment, uri)
     run = client.create_run(exp_id, run_name=cfg.job_name, tags={tracking.TAG_ROLE: "diagnose"})
     rid = run.info.run_id
-    params = {"model": cfg.model, "task": cfg.task, "n_samples": n_samples, "config_hash": cfg.config_hash,
-              "output_dir": cfg.output_dir, "methods": ",".join(cfg.methods)}
-    for k, v in params.items():
-        client.log_param(rid, k, str(v)[:6000])
-    for k, v in premises.finite_metrics(figs).items():
-        client.log_metric(rid, k, v)
-    for f in files:
-        client.log_artifact(rid, str(f), "diagnose")
-    client.set_terminated(rid)
+    try:
+        params = {"model": cfg.model, "task": cfg.task, "n_samples": n_samples, "config_hash": cfg.config_hash,
+                  "output_dir": cfg.output_dir, "methods": ",".join(cfg.methods)}
+        for k, v in params.items():
+            client.log_param(rid, k, str(v)[:6000])
+        for k, v in premises.finite_metrics(figs).items():
+            client.log_metric(rid, k, v)
+        for f in files:
+            mlflow_store.upload(client, uri, run, f, "diagnose")
+        client.set_terminated(rid)
+    except BaseException:
+        mlflow_store.fail_runs(client, [rid])
+        raise
     return rid
 
 
-def run(cfg: JobConfig, probe_samples: int) -> int:
+def run(cfg: JobConfig, probe_samples: int, argv: list[str] | tuple[str, ...] = ()) -> int:
+    """The premise check; ``argv``: the command's flags, for the line that says how to log it again."""
     result = driver.run(cfg)
     if result["status"] != "ok":
         return 1
@@ -197,16 +216,20 @@ def run(cfg: JobConfig, probe_samples: int) -> int:
         rid = log_run(cfg, figs, files, n)
         driver.say(f"MLflow run {rid}: {cfg.mlflow_uri}")
     except Exception as e:  # noqa: BLE001 - the figures are printed and written; MLflow is a convenience
-        driver.say(f"MLflow logging failed ({type(e).__name__}: {str(e)[:300]}); the tables are in {out}")
+        again = shlex.join(["python", "jobs/diagnose.py", *argv])
+        driver.say(f"MLflow logging failed ({mlflow_store.error_cause(e)}); the run is marked FAILED, the tables "
+                   f"are in {out} and the rows in {cfg.output_dir}. Log it by running the same command again (it "
+                   f"computes no rows, only the probes): {again}")
         return driver.MLFLOW_FAILED_EXIT
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
         cfg, probe_samples = job_config(argv)
         with quiet.stderr_without(quiet.RAY_ACTOR_RESTART_NOTICE):  # as the jobs' driver.main
-            return run(cfg, probe_samples)
+            return run(cfg, probe_samples, argv)
     except ConfigError as e:
         print(f"[rcr-job] {e}", file=sys.stderr, flush=True)
         return 2

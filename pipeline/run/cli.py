@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.run.config import DEFAULT_MAX_NEW_TOKENS, JobConfig, available_methods, default_runs_root
+from pipeline.run.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    JobConfig,
+    available_methods,
+    default_runs_root,
+    default_tracking_uri,
+)
 from pipeline.schema import TASKS
 
 
@@ -56,7 +62,7 @@ def _where(p: argparse.ArgumentParser, d: JobConfig, runs) -> None:
     g = p.add_argument_group("where results go")
     g.add_argument("--output-dir", dest="output_dir", help=f"Parquet output directory (default: {runs}/<job name>)")
     g.add_argument("--mlflow-uri", dest="mlflow_uri",
-                   help=f"MLflow tracking URI (default: sqlite:///{runs / 'mlflow.db'})")
+                   help=f"MLflow tracking URI (default: {default_tracking_uri()})")
     g.add_argument("--experiment", help=f"MLflow experiment (default: {d.experiment})")
     g.add_argument("--job-name", dest="job_name", help="names the output dir and the MLflow parent run "
                    "(default: <task>-<model name>, e.g. detailcaps-embedded)")

@@ -60,6 +60,12 @@ def default_runs_root() -> Path:
     return Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve()
 
 
+def default_tracking_uri() -> str:
+    """The store every entry point uses unless told otherwise: ``<runs dir>/mlflow.db`` (the local cluster's MLflow
+    server serves the same one; pipeline/analysis/mlflow_store.py)."""
+    return f"sqlite:///{default_runs_root() / 'mlflow.db'}"
+
+
 @dataclass
 class JobConfig:
     """Everything a pipeline job needs. Construct with :meth:`from_args` / :meth:`from_dict`, which validate."""
@@ -193,7 +199,7 @@ class JobConfig:
         if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
             raise ConfigError("output_dir", f"{self.output_dir} exists and is not a directory")
         if self.mlflow_uri is None:
-            self.mlflow_uri = f"sqlite:///{runs / 'mlflow.db'}"
+            self.mlflow_uri = default_tracking_uri()
         if not isinstance(self.mlflow_uri, str) or not self.mlflow_uri:
             raise ConfigError("mlflow_uri", f"must be a non-empty string, got {self.mlflow_uri!r}")
         from pipeline.analysis.tracking import resolve_tracking_uri

@@ -36,7 +36,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline import preflight, quiet
-from pipeline.analysis import mlflow_ui, report, tracking
+from pipeline.analysis import mlflow_store, mlflow_ui, report, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.data import convert, shards, synthetic
 from pipeline.run import calibration, placement, ray_local
@@ -174,6 +174,9 @@ def _ray_init(cfg: JobConfig):
         # GCS, raylet and workers there, unless this is 0 (read when ray is first imported)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # actors' lines reach the driver's log without ANSI colours
+    # ... and without Ray's "(MapWorker(MapBatches(SampleEvaluator)) pid=...)" prefix: they are the job's own lines
+    # (read when ray is first imported, as above)
+    os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
     import ray
 
     if ray.is_initialized():
@@ -508,10 +511,11 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
         info = tracking.log_job(df=df, config=cfg.to_dict(), analysis=analysis, tracking_uri=cfg.mlflow_uri,
                                 experiment=cfg.experiment, output_dir=cfg.output_dir, job_name=cfg.job_name)
         out["mlflow"] = info
-    except Exception as e:  # noqa: BLE001
-        out["mlflow_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        say(f"MLflow logging failed ({out['mlflow_error']}); the Parquet output is complete. Log it when the "
-            f"server is back: python jobs/backfill_mlflow.py --output-dir {cfg.output_dir} "
+    except Exception as e:  # noqa: BLE001 - the rows are written: report, and exit with MLFLOW_FAILED_EXIT
+        out["mlflow_error"] = mlflow_store.error_cause(e)
+        when = "when the server answers again" if mlflow_ui.is_server(cfg.mlflow_uri) else "once that is fixed"
+        say(f"MLflow logging failed ({out['mlflow_error']}); any run it started is marked FAILED, and the Parquet "
+            f"output is complete. Log it {when}: python jobs/backfill_mlflow.py --output-dir {cfg.output_dir} "
             f"--tracking-uri {cfg.mlflow_uri}")
     return out
 

@@ -1,14 +1,18 @@
-"""The MLflow UI in a real browser: a job's runs, logged by the tracking code, rendered by headless Chromium from an
-`mlflow server` on 127.0.0.1. The URLs a job prints open on the runs, not on MLflow's GenAI overview.
+"""The MLflow UI in a real browser: a job's runs, logged by the tracking code, rendered by headless Chromium from the
+project's MLflow server (infra/mlflow_server.sh) on 127.0.0.1. The URLs a job prints open on the runs, not on
+MLflow's GenAI overview, and show the numbers: each method's fidelity, CI, refresh and reads per step as columns,
+the summary rounded to 3 digits as the parent's description, the job's charts in the chart view.
 
-The job is a small fake output (tests/fake_output.py) logged with `tracking.log_job`, as the driver does at the
-end of a job; the server is started by the test and stopped by its process group. `.ci/run` installs Debian's
-`chromium` where it is missing.
+The job is a small fake output (tests/fake_output.py) of every method plus a fixed-tau sweep point (11 method runs,
+so the parent is the 12th run: the UI's charts show the first 10 by default) logged with `tracking.log_job`, as the
+driver does at the end of a job; the server is started by the test and stopped by its process group. `.ci/run`
+installs Debian's `chromium` where it is missing.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,12 +27,13 @@ from mlflow import MlflowClient
 
 from pipeline.analysis import mlflow_ui, tracking
 from tests.fake_output import make_output_frame
-from tests.pipeline_helpers import PY, free_port
+from tests.pipeline_helpers import PY, REPO, free_port
 
 pytestmark = pytest.mark.timeout(600)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-METHODS = ("full", "bacon", "rcr", "fixed@0.05")
+METHODS = ("full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen",
+           "fixed@0.05")
 
 
 class _Links(HTMLParser):
@@ -71,10 +76,9 @@ def served_job(tmp_path_factory):
     exp = client.get_experiment_by_name("rcr-eval").experiment_id
     runs = {r.info.run_id: r for r in client.search_runs([exp])}
     port = free_port()
-    mlflow = str(Path(PY).parent / "mlflow")
     log = open(tmp / "server.log", "w")  # noqa: SIM115 - the server writes to it until the teardown
-    server = subprocess.Popen([mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri",
-                               uri, "--artifacts-destination", str(tmp / "mlartifacts"), "--workers", "1"],
+    env = dict(os.environ, PATH=f"{Path(PY).parent}:{os.environ.get('PATH', '')}")
+    server = subprocess.Popen(["bash", str(REPO / "infra" / "mlflow_server.sh"), str(tmp), str(port)], env=env,
                               cwd=tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -113,6 +117,7 @@ def _render(url: str, profile: Path, want, attempts: int = 3) -> str:
         d = profile / f"profile-{i}"
         r = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={d}",
+                            "--window-size=1600,1000",  # wide enough that the grid renders every column it shows
                             "--dump-dom", f"--virtual-time-budget={30_000 * (i + 1)}", url],
                            capture_output=True, text=True, timeout=300, check=False)
         shutil.rmtree(d, ignore_errors=True)
@@ -168,11 +173,71 @@ def test_parent_run_page_shows_fidelity_per_method(served_job, tmp_path):
     s = served_job
     url = mlflow_ui.run_url(s["base"], s["exp"], s["pid"])
     metrics = s["runs"][s["pid"]].data.metrics
-    dom = _render(url, tmp_path, lambda d: "fidelity_ci_high/rcr" in d)
+    n_links = min(10, len(s["runs"]) - 1)  # the method runs it links (below)
+    dom = _render(url, tmp_path, lambda d: "fidelity_ci_high/rcr" in d
+                  and len(set(_run_links(d, s["exp"])) & set(s["runs"])) >= n_links)
     for m in METHODS:
         label = m.replace("@", "_")
         for name in ("fidelity", "fidelity_ci_low", "fidelity_ci_high"):
             assert f"{name}/{label}" in dom and f"{name}/{label}" in metrics, (name, label)
-    assert "vs bacon [CI]" in dom  # the summary table
+    # the description: the summary table, each method's fidelity [CI] rounded to 3 digits
+    assert "vs bacon [CI]" in dom
+    for m in METHODS:
+        label = m.replace("@", "_")
+        fid, lo, hi = (metrics[f"{name}/{label}"] for name in ("fidelity", "fidelity_ci_low", "fidelity_ci_high"))
+        row = rf"\n{re.escape(m)} +{fid:.3f} \[{lo:.3f}, {hi:.3f}\]"
+        assert re.search(row, dom), row
     children = {rid: r.info.run_name for rid, r in s["runs"].items() if rid != s["pid"]}
-    assert children.items() <= _run_links(dom, s["exp"]).items()
+    linked = {rid: name for rid, name in _run_links(dom, s["exp"]).items() if re.fullmatch(r"[0-9a-f]{32}", rid)
+              and rid != s["pid"]}  # not the links of its metrics (<run id>/model-metrics)
+    # the page lists the 10 latest method runs, and loads more on request
+    assert linked.items() <= children.items() and len(linked) == n_links, (linked, children)
+
+
+def _cells(dom: str) -> dict[tuple[str, str], str]:
+    """{(run id, metric): its cell's text} of the runs table in a DOM dump (each grid row carries its run id)."""
+    out = {}
+    for row in re.split(r'(?=<div[^>]*role="row")', dom):
+        rid = re.match(r'<div[^>]*role="row"[^>]*row-id="([0-9a-f]{32})"', row)
+        if rid is None:
+            continue
+        for col, text in re.findall(r'col-id="metrics\.`([^`]+)`"(?:(?!col-id=).)*?class="ag-cell-value">([^<]*)<',
+                                    row, re.S):
+            out[(rid.group(1), col)] = text
+    return out
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_job_runs_page_shows_each_methods_fidelity_ci_refresh_and_reads(served_job, tmp_path):
+    """The job's runs link opens on a table whose cells show each method run's fidelity, its CI, refresh fraction and
+    reads per step: the values of its metrics, in the rendered DOM."""
+    s = served_job
+    key = s["runs"][s["pid"]].data.tags["rcr.job_key"]
+    children = {rid: r for rid, r in s["runs"].items() if rid != s["pid"]}
+    want = {(rid, m): r.data.metrics[m] for rid, r in children.items() for m in mlflow_ui.JOB_COLUMNS}
+    assert len(want) == len(METHODS) * 5
+    dom = _render(mlflow_ui.job_runs_url(s["base"], s["exp"], key), tmp_path, lambda d: want.keys() <= _cells(d).keys())
+    got = _cells(dom)
+    assert want.keys() <= got.keys(), f"cells missing: {sorted(want.keys() - got.keys())[:5]}\n{dom[-2000:]}"
+    for k, v in want.items():
+        assert float(got[k]) == pytest.approx(v, rel=1e-9, abs=1e-12), (k, got[k], v)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_chart_view_opens_on_the_jobs_charts(served_job, tmp_path):
+    """The runs link's chart view: first a section of bar charts of fidelity, refresh and reads per step across the
+    method runs (the fidelity chart's labels are their values), and no section without charts."""
+    s = served_job
+    key = s["runs"][s["pid"]].data.tags["rcr.job_key"]
+    url = mlflow_ui.job_runs_url(s["base"], s["exp"], key) + "&compareRunsMode=CHART"
+    dom = _render(url, tmp_path, lambda d: "main-svg" in d)
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
+    assert f"this job, per method ({len(mlflow_ui.JOB_CHARTS)})" in text, text[:3000]
+    assert "No charts in this section" not in text
+    titles = re.findall(r'<h4[^>]*title="([^"]+)"', dom)
+    assert titles[:len(mlflow_ui.JOB_CHARTS)] == list(mlflow_ui.JOB_CHARTS), titles[:10]
+    first = dom[dom.index("main-svg"):]
+    first = first[:first.index("</svg>")]
+    labels = re.findall(r'<text[^>]*class="bartext[^"]*"[^>]*>([0-9.]+)</text>', first)  # not the axis ticks
+    fidelity = sorted(f"{r.data.metrics['fidelity']:.2f}" for rid, r in s["runs"].items() if rid != s["pid"])
+    assert sorted(labels) == fidelity, (labels, fidelity)

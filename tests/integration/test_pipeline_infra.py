@@ -59,7 +59,7 @@ def test_kuberay_rayjob_is_valid_and_names_the_entry_points():
 
 
 def test_scripts_parse():
-    for s in ("local_cluster.sh", "quickstart.sh"):
+    for s in ("local_cluster.sh", "quickstart.sh", "mlflow_server.sh"):
         r = subprocess.run(["bash", "-n", str(REPO / "infra" / s)], check=False, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
 
@@ -215,7 +215,9 @@ def test_quickstart_on_the_local_cluster_then_stop(tmp_path):
     # its head's session was listed; `clean` removes it with the runs directory (and the temp dir, now empty)
     sessions = (runs / "ray-sessions").read_text().split()
     assert len(sessions) == 1 and Path(sessions[0]).parent == Path(env["RCR_RAY_TMP"]), sessions
-    r = subprocess.run(["bash", script, "clean"], check=False, env=env, capture_output=True, text=True, timeout=120)
+    # (the kernels' builds this machine's other tests use stay: clean looks in an extension cache of its own here)
+    r = subprocess.run(["bash", script, "clean"], check=False, capture_output=True, text=True, timeout=120,
+                       env=dict(env, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext")))
     assert r.returncode == 0, r.stdout + r.stderr
     assert not runs.exists() and not Path(env["RCR_RAY_TMP"]).exists(), r.stdout
 
@@ -345,8 +347,16 @@ def test_clean_removes_the_projects_sessions_and_runs_dir_and_nothing_else(tmp_p
     (project_tmp / "session_latest").symlink_to(ours_b)
     (runs / "detailcaps-embedded").mkdir(parents=True)
     (runs / "ray-sessions").write_text(f"{ours_a}\n{ours_b}\n")
+    # torch's extension cache (TORCH_EXTENSIONS_DIR unset: <XDG_CACHE_HOME>/torch_extensions/<python>_<accelerator>)
+    exts = tmp_path / "cache" / "torch_extensions"
+    kernels, other_ext = exts / "py311_cpu" / "rcr_ops_0123456789ab", exts / "py311_cpu" / "someone_elses_op"
+    for d in (kernels, other_ext):
+        d.mkdir(parents=True)
+        (d / "lib.so").write_bytes(b"\x7fELF")
     env = _cluster_env(runs)
     env["RCR_RAY_TMP"] = str(project_tmp)
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    env.pop("TORCH_EXTENSIONS_DIR", None)
     clean = ["bash", str(REPO / "infra" / "local_cluster.sh"), "clean"]
     user = subprocess.Popen([PY, "-c", "import sys; sys.stdin.read()", f"--session-dir={ours_b}"],
                             stdin=subprocess.PIPE)  # names its session as Ray's processes do
@@ -356,12 +366,13 @@ def test_clean_removes_the_projects_sessions_and_runs_dir_and_nothing_else(tmp_p
         user.stdin.close()
         user.wait(timeout=60)
     assert r.returncode == 1 and f"{ours_b} is in use by pid(s) {user.pid}" in r.stderr, r.stdout + r.stderr
-    assert all(p.exists() for p in (ours_a, ours_b, runs, theirs, shared))
+    assert all(p.exists() for p in (ours_a, ours_b, runs, theirs, shared, kernels))
 
     r = subprocess.run(clean, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert not ours_a.exists() and not ours_b.exists() and not runs.exists()
     assert theirs.is_dir() and shared.is_dir() and not (project_tmp / "session_latest").is_symlink()
+    assert not kernels.exists() and (other_ext / "lib.so").is_file()  # rcr's kernels' build only
     # once the last session of the temp dir is the project's, the temp dir goes with it
     runs.mkdir()
     (runs / "ray-sessions").write_text(f"{theirs}\n")

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.analysis.analyze import analyze
 from pipeline.diagnose import premises
-from pipeline.diagnose.run import DEFAULT_LIMIT, METHODS, job_config
+from pipeline.diagnose.run import DEFAULT_LIMIT, METHODS, job_config, parser
 from pipeline.run.config import ConfigError
 from tests import inline_driver, tiny_models
 from tests.conftest import FAMILIES
@@ -49,6 +49,8 @@ def test_the_figures_are_the_rows_statistics(fake):
     assert f["drift_cv"].metric == pytest.approx(per.std(ddof=0) / per.mean())
     text = premises.table(premises.figures(a, None, None, None))
     assert text.splitlines()[0].startswith("premise") and "paper 41% (Qwen2-VL) - 80% (LLaVA-NeXT)" in text
+    tercile_lines = [ln for ln in text.splitlines() if "tercile" in ln]  # fixed's refresh, low / high: once
+    assert len(tercile_lines) == 1 and f"{low:.3f} / {high:.3f}" in tercile_lines[0], text
 
 
 def test_per_layer_figures_leave_out_layers_that_are_never_reselected():
@@ -76,6 +78,37 @@ def test_the_config_adds_what_the_figures_need_to_the_users_flags(tmp_path):
         job_config(["--probe-samples", "-1"])
     with pytest.raises(ConfigError, match="field 'methods'"):
         job_config(["--methods", "nonsense"])
+
+
+def test_help_states_the_premise_checks_own_defaults(capsys):
+    """`diagnose.py --help`: the flags whose default differs from the evaluation job's say the premise check's."""
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"--limit LIMIT first N input rows, in shard order (default: {DEFAULT_LIMIT})" in text
+    assert "every row" not in text and "(default: all)" not in text and "--no-summary" not in text
+    assert f"added to the ones the figures need ({', '.join(METHODS)})" in text
+    assert "(default: diagnose-<task>-<model name>" in text and "exact_drift=true" in text
+
+
+def test_a_failed_mlflow_log_marks_the_run_failed(tmp_path, fake):
+    """log_run on a store that fails part way (a file that is not there): the run is FAILED, none RUNNING."""
+    from mlflow import MlflowClient
+
+    from pipeline.diagnose.run import log_run
+
+    _, a = fake
+    cfg, _ = job_config(["--output-dir", str(tmp_path / "o"), "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"])
+    figs = premises.figures(a, None, None, None)
+    with pytest.raises(OSError):
+        log_run(cfg, figs, [tmp_path / "absent.parquet"], 30)
+    c = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    runs = c.search_runs([c.get_experiment_by_name(cfg.experiment).experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"]
+    (tmp_path / "figures.parquet").write_bytes(b"PAR1")
+    rid = log_run(cfg, figs, [tmp_path / "figures.parquet"], 30)  # its artifacts next to the database
+    assert c.get_run(rid).info.status == "FINISHED"
+    assert (tmp_path / "mlartifacts" / rid / "artifacts" / "diagnose" / "figures.parquet").is_file()
 
 
 def family_dir(root, name: str):

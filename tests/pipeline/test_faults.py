@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 
 import pandas as pd
 import pytest
@@ -173,6 +174,63 @@ def test_mlflow_server_down_for_the_whole_job_then_backfill(job, monkeypatch, ca
     assert backfill_mlflow.main(["--output-dir", str(job["out"]), "--tracking-uri", store,
                                  "--bootstrap-resamples", "200", "--no-summary"]) == 0
     assert_one_parent_one_child_per_method(store)
+
+
+def test_mlflow_logging_that_fails_part_way_leaves_no_run_running_and_the_printed_command_logs_it(
+        job, monkeypatch, capsys):
+    """The store fails in the middle of the logging (here on the second method run, with a long multi-line MLflow
+    error): exit 3, every run it started FAILED (none RUNNING), the rows all there, and one line that names the
+    cause in whole words and a command; that command then logs the job."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.analysis import mlflow_store, tracking
+
+    store = f"sqlite:///{job['tmp'] / 'mlflow.db'}"
+    real, calls = tracking._log_child, []
+    error = MlflowException("When an mlflow-artifacts URI was supplied, the tracking URI must be a valid http or "
+                            f"https URI, but it was currently set to {store}. Perhaps you forgot to set the "
+                            "tracking URI to the running MLflow server. To use either of the following:\n - a\n - b")
+
+    def fails_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error
+        return real(*a, **k)
+
+    monkeypatch.setattr(tracking, "_log_child", fails_second)
+    inline_driver.install(monkeypatch.setattr)
+    assert driver.main("detailcaps", job["argv"]()) == driver.MLFLOW_FAILED_EXIT
+    log = capsys.readouterr().out
+    (line,) = [ln for ln in log.splitlines() if "MLflow logging failed" in ln]
+    assert f"({mlflow_store.error_cause(error)})" in line and "use either of the followin" not in line
+    assert mlflow_store.error_cause(error).endswith(f"set to {store}")
+    assert_exact(job["out"], job["ids"])
+    c = MlflowClient(store)
+    runs = c.search_runs([e.experiment_id for e in c.search_experiments()], max_results=1000)
+    assert len(runs) == 1 + 1 and {r.info.status for r in runs} == {"FAILED"}  # the parent, the first method
+
+    monkeypatch.setattr(tracking, "_log_child", real)
+    cmd = shlex.split(line[line.index("python jobs/backfill_mlflow.py"):])
+    assert cmd[:2] == ["python", "jobs/backfill_mlflow.py"]
+    assert backfill_mlflow.main(cmd[2:] + ["--bootstrap-resamples", "200", "--no-summary"]) == 0
+    assert_one_parent_one_child_per_method(store)
+    runs = c.search_runs([e.experiment_id for e in c.search_experiments()], max_results=1000)
+    assert {r.info.status for r in runs} == {"FINISHED"}
+
+
+def test_a_backfill_that_fails_is_one_line_and_exit_3(job, capsys):
+    """A tracking server that does not answer: no traceback, one line naming the cause and the command to run
+    again, exit 3."""
+    run_inline(job["argv"]("--no-summary"))
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    code = backfill_mlflow.main(["--output-dir", str(job["out"]), "--tracking-uri", down, "--no-summary"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"[backfill] MLflow logging failed (ConnectionError: the tracking server {down} does "
+                           "not answer") and "Traceback" not in err
+    assert line.endswith(f"python jobs/backfill_mlflow.py --output-dir {job['out']} --tracking-uri {down} --no-summary")
 
 
 def test_every_bad_input_kind_through_the_driver(tmp_path):

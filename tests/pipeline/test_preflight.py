@@ -92,6 +92,30 @@ def test_a_hub_id_not_in_the_cache_while_offline_is_one_line(tmp_path):
     assert e.value.field == "model"
 
 
+def test_a_hub_id_while_the_hub_is_unreachable_is_one_line_without_retries(tmp_path, monkeypatch, caplog):
+    """Online, but nothing answers at the Hub's address (here: a closed port on 127.0.0.1): one request, then the
+    one line; not huggingface_hub's download, which retries an unreachable Hub five times, a log line each."""
+    from tests.pipeline_helpers import free_port
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+    def download(*a, **k):
+        raise AssertionError("hf_hub_download (and its retries) reached")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    (tmp_path / "hub").mkdir()
+    with caplog.at_level("INFO"), pytest.raises(PreflightError) as e:
+        preflight.resolve_model("acme/absent-vlm", cache_dir=str(tmp_path / "hub"))
+    assert str(e.value) == ("--model acme/absent-vlm: not in the local cache and the Hub is unreachable: download "
+                            "it first with `hf download acme/absent-vlm`, or pass a local directory")
+    assert not [r for r in caplog.records if "Retry" in r.getMessage()]
+
+
 def test_an_unsupported_model_type_names_the_supported_ones(tmp_path):
     d = tmp_path / "bert"
     d.mkdir()

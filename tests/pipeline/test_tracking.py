@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from urllib.parse import parse_qsl
 
@@ -11,7 +12,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.analysis import mlflow_ui, tracking
+from pipeline.analysis import mlflow_store, mlflow_ui, tracking
 from tests.fake_output import make_output_frame, write_output_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,8 +228,9 @@ def test_parent_run_carries_each_methods_fidelity_and_ci(job):
 
 
 def test_ui_urls_open_the_runs_of_the_job(job, capsys):
-    """The job URL's search and sort, as MLflow's own search, give exactly the job's runs, best fidelity first;
-    every URL asks for the runs view (workflowType), which MLflow 3.17's UI reads from the URL."""
+    """The job URL names the job's shared view (an experiment tag), whose search and sort, as MLflow's own search,
+    give exactly the job's runs, best fidelity first; its columns and charts are metrics every method run has.
+    Every URL asks for the runs view (workflowType), which MLflow 3.17's UI reads from the URL."""
     c, parents, children = _active_runs(job["uri"], "rcr-test")
     exp = c.get_experiment_by_name("rcr-test").experiment_id
     key = parents[0].data.tags["rcr.job_key"]
@@ -236,19 +238,87 @@ def test_ui_urls_open_the_runs_of_the_job(job, capsys):
     route, _, query = url.partition("?")
     assert route == f"http://127.0.0.1:5000/#/experiments/{exp}/runs"
     q = dict(parse_qsl(query))
-    assert q["workflowType"] == "machine_learning" and q["orderByAsc"] == "false"
-    found = c.search_runs([exp], filter_string=q["searchFilter"], order_by=[f"{q['orderByKey']} DESC"])
+    # the UI applies a shared view only to a URL without search parameters
+    assert q == {"workflowType": "machine_learning", "viewStateShareKey": key}
+    view = json.loads(c.get_experiment(exp).tags[mlflow_ui.VIEW_TAG_PREFIX + key])
+    assert view["orderByAsc"] is False
+    found = c.search_runs([exp], filter_string=view["searchFilter"], order_by=[f"{view['orderByKey']} DESC"])
     assert {r.info.run_id for r in found} == {r.info.run_id for r in parents + children}
     ranked = [r.data.metrics["fidelity"] for r in found if "fidelity" in r.data.metrics]
     assert len(ranked) == len(children) and ranked == sorted(ranked, reverse=True)
+    columns = [re.fullmatch(r"metrics\.`(.+)`", col).group(1) for col in view["selectedColumns"]]
+    charts = [ch["metricKey"] for ch in view["compareRunCharts"]]
+    assert {"fidelity", "fidelity_ci_low", "fidelity_ci_high", "refresh_fraction", "reads_per_step"} == set(columns)
+    assert charts and all(m in r.data.metrics for r in children for m in columns + charts)
+    assert {ch["metricSectionId"] for ch in view["compareRunCharts"]} == {s["uuid"] for s in view["compareRunSections"]}
     pid = parents[0].info.run_id
     assert mlflow_ui.run_url("http://h:1", exp, pid) == f"http://h:1/#/experiments/{exp}/runs/{pid}?workflowType=machine_learning"
     assert mlflow_ui.experiment_url("sqlite:////a.db", exp).startswith(f"http://127.0.0.1:5000/#/experiments/{exp}/runs?")
-    # what log_job prints: how to serve a store, then the two URLs
+    # what log_job prints: how to serve the store (its artifacts too), then the two URLs
     tracking.log_job(df=pd.read_parquet(job["out"]), config=job["config"], tracking_uri=job["uri"],
                      experiment="rcr-test", output_dir=str(job["out"]), job_name="tiny-job")
     out = capsys.readouterr().out
-    assert f"mlflow ui --backend-store-uri {job['uri']} --host 127.0.0.1 --port 5000" in out
+    assert (f"mlflow ui --backend-store-uri {job['uri']} --artifacts-destination {job['tmp'] / 'mlartifacts'} "
+            "--host 127.0.0.1 --port 5000") in out
     assert mlflow_ui.job_runs_url(job["uri"], exp, key) in out and mlflow_ui.run_url(job["uri"], exp, pid) in out
     assert mlflow_ui.store_path(job["uri"]) == str(job["tmp"] / "mlflow.db")
     assert mlflow_ui.store_path("http://127.0.0.1:5000") is None
+
+
+def test_failed_logging_marks_its_runs_failed_and_the_next_call_replaces_them(job, monkeypatch):
+    """A store that fails part way (here: on the third method run): log_job raises, and every run it started is
+    FAILED, none RUNNING; the next call logs one complete set and deletes the failed one."""
+    uri = _store(job["tmp"], "fails.db")
+    kw = dict(df=pd.read_parquet(job["out"]), config=job["config"], tracking_uri=uri, experiment="rcr-test",
+              output_dir=str(job["out"]), job_name="tiny-job", verbose=False)
+    real, calls = tracking._log_child, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            half = MlflowClient(uri).create_run(a[1], run_name="half-made", tags={"rcr.job_key": k["key"]})
+            k["started"].append(half.info.run_id)
+            raise OSError("No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(tracking, "_log_child", flaky)
+    with pytest.raises(OSError, match="No space left"):
+        tracking.log_job(**kw)
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name("rcr-test").experiment_id
+    runs = c.search_runs([exp], max_results=1000)
+    assert len(runs) == 1 + 3 and {r.info.status for r in runs} == {"FAILED"}
+    monkeypatch.setattr(tracking, "_log_child", real)
+    pid = tracking.log_job(**kw)
+    runs = c.search_runs([exp], max_results=1000)
+    assert len(runs) == 1 + len(METHODS) and {r.info.status for r in runs} == {"FINISHED"}
+    assert c.get_run(pid).data.tags["rcr.complete"] == "1"
+
+
+def test_an_experiment_with_proxied_artifacts_is_written_to_the_stores_directory(job):
+    """An experiment an MLflow server made with proxied artifacts (`mlflow-artifacts:/<id>`, which MLflow's client
+    can write only through that server): a job writing to the database puts its artifacts where that server keeps
+    them, the store's mlartifacts/<id>/..., instead of failing."""
+    uri = _store(job["tmp"], "proxied.db")
+    c = MlflowClient(uri)
+    exp = c.create_experiment("served", artifact_location="mlflow-artifacts:/7")
+    pid = tracking.log_job(df=pd.read_parquet(job["out"]), config=job["config"], tracking_uri=uri, experiment="served",
+                           output_dir=str(job["out"]), job_name="tiny-job", verbose=False)
+    assert c.get_run(pid).info.artifact_uri == f"mlflow-artifacts:/7/{pid}/artifacts"
+    plots = job["tmp"] / "mlartifacts" / "7" / pid / "artifacts" / "plots"
+    assert (plots / "fidelity_ci.png").read_bytes()[:4] == b"\x89PNG"
+    assert {r.info.status for r in c.search_runs([exp])} == {"FINISHED"}
+
+
+def test_error_cause_is_one_line_of_whole_words():
+    long = ("When an mlflow-artifacts URI was supplied, the tracking URI must be a valid http or https URI, but it "
+            "was currently set to sqlite:////home/u/rcr-runs/mlflow.db. Perhaps you forgot to set the tracking URI "
+            "to the running MLflow server. To use either of the following:\n - a\n - b")
+    cause = mlflow_store.error_cause(RuntimeError(long))
+    assert cause == ("RuntimeError: When an mlflow-artifacts URI was supplied, the tracking URI must be a valid http "
+                     "or https URI, but it was currently set to sqlite:////home/u/rcr-runs/mlflow.db")
+    words = " ".join(f"word{i}" for i in range(100))
+    short = mlflow_store.error_cause(ValueError(words), limit=50)
+    assert "\n" not in short and short.endswith(" …") and len(short) <= len("ValueError: ") + 52
+    assert all(w in words.split() for w in short.removeprefix("ValueError: ").removesuffix(" …").split())
+    assert mlflow_store.error_cause(KeyError()) == "KeyError"

@@ -1,5 +1,5 @@
 """The embedded default's bars: the premise check (``jobs/diagnose.py``'s figures) on held-out synthetic samples,
-plus the embedded model's own bars (``pipeline/embedded/bars.py``).
+plus the embedded model's own bars (``embedded/bars.py``).
 
 Runs the pipeline's own evaluator (``SampleEvaluator``, the callable class a Ray actor runs) in this process on
 held-out synthetic samples (seed ``pipeline.data.synthetic.HELDOUT_SEED``; training never uses it) and scores them
@@ -27,8 +27,8 @@ from pipeline.analysis.analyze import analyze  # noqa: E402
 from pipeline.analysis.labels import BACON, PREFILL_ORACLE  # noqa: E402
 from pipeline.data import synthetic as S  # noqa: E402
 from pipeline.diagnose import premises  # noqa: E402
-from pipeline.embedded import bars as B  # noqa: E402
-from pipeline.embedded.probes.common import evaluate_task  # noqa: E402
+from embedded import bars as B  # noqa: E402
+from embedded.probes.common import evaluate_task  # noqa: E402
 from pipeline.run.config import DEFAULT_MAX_NEW_TOKENS, EMBEDDED, JobConfig  # noqa: E402
 
 # methods each task decodes (besides full); detailcaps carries the premises, textcaps the short-answer one
@@ -45,7 +45,7 @@ def layer_probes(model_name: str, layout: str, n: int, threads: int):
     import torch
 
     from pipeline.diagnose import attention, detector
-    from pipeline.embedded.probes.common import held_out_answers
+    from embedded.probes.common import held_out_answers
     from rcr import RCRConfig
     from rcr.models import geometry, load
 

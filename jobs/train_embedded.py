@@ -5,7 +5,7 @@
     python jobs/train_embedded.py --steps 40 --polish-steps 8 --vision-steps 4 --out /tmp/smoke --run-dir /tmp/smoke
 
 The recipe is ``rcr/embedded_model/recipe.json``; each flag of ``--help``'s "recipe fields" overrides one field.
-The trainer is ``pipeline/embedded`` (docs/embedded.md).
+The trainer is ``embedded`` (docs/embedded.md).
 """
 
 import os
@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.embedded import cli, train  # noqa: E402
+from embedded import cli, train  # noqa: E402
 
 
 def main(argv=None):

@@ -186,7 +186,7 @@ def materialize(payload: dict, engine, cfg) -> tuple[str, tempfile.TemporaryDire
 def main(argv: list[str] | None = None) -> int:
     """Write the embedded model's shipped calibration (rerun after retraining the model)."""
     from pipeline.data import synthetic
-    from pipeline.embedded.recipe import Recipe
+    from embedded.recipe import Recipe
     from rcr.embedded import model_dir
     from rcr.models import load
 

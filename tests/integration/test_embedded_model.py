@@ -16,9 +16,9 @@ import rcr.models
 from pipeline.analysis.telemetry import unchanged_top_pairs
 from pipeline.analysis.text_metrics import rouge_l_f1
 from pipeline.data import synthetic as S
-from pipeline.embedded.assets import SYSTEM_PROMPT, processor_inputs
-from pipeline.embedded.batches import BatchBuilder
-from pipeline.embedded.recipe import Recipe
+from embedded.assets import SYSTEM_PROMPT, processor_inputs
+from embedded.batches import BatchBuilder
+from embedded.recipe import Recipe
 from pipeline.run.config import DEFAULT_MAX_NEW_TOKENS
 from rcr.embedded import model_dir
 
@@ -151,7 +151,7 @@ def test_the_shipped_model_reads_its_scenes(shipped):
     """Colour is told only by the image: the shipped model names it far above chance (1/6), where a model that
     ignores the image, as every v3/v4 run from scratch did, sits at chance. (In its descriptions it reads size
     well, and texture and shape above chance: the reading probe, docs/embedded.md.)"""
-    from pipeline.embedded.probes.reading import probe
+    from embedded.probes.reading import probe
 
     model, processor = shipped
     res = probe(model, processor, "textcaps", S.DEFAULT_LAYOUT, 6)
@@ -167,7 +167,7 @@ def test_detector_probe_measures_what_the_candidate_pass_keeps(shipped):
     candidate in that head (docs/embedded.md: in-basis 0.03, candidate at 0.53 of steps in head 0). RCR's candidate
     ranking gives a kept entry its exact logit, so this is what a refresh could bring back once it is evicted."""
     from pipeline.diagnose.detector import probe
-    from pipeline.embedded.probes.common import held_out_answers
+    from embedded.probes.common import held_out_answers
     from rcr.config import RCRConfig
 
     model, processor = shipped

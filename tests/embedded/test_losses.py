@@ -1,4 +1,4 @@
-"""The embedded model's objective and its held attention sink (pipeline/embedded/losses.py, sink.py): the grounding
+"""The embedded model's objective and its held attention sink (embedded/losses.py, sink.py): the grounding
 loss moves the supervised layer's attention onto the described cell, its spread variant over the whole cell, and
 the sink stays where it is held through training and takes a head's idle mass."""
 
@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from pipeline.data import synthetic as S
-from pipeline.embedded.assets import SYSTEM_PROMPT_ROLE, build_model, build_processor, build_tokenizer, processor_inputs
-from pipeline.embedded.batches import BatchBuilder
-from pipeline.embedded.curriculum import cooled_lr
-from pipeline.embedded.loops import Polisher, RunOptions, Trainer
-from pipeline.embedded.losses import grounding_loss, optimizer_step
-from pipeline.embedded.recipe import Recipe
-from pipeline.embedded.sink import HELD_SINK_LOGIT, HeldSink, sink_logit_at
-from pipeline.embedded.train import build_run_model, main_optimizer
+from embedded.assets import SYSTEM_PROMPT_ROLE, build_model, build_processor, build_tokenizer, processor_inputs
+from embedded.batches import BatchBuilder
+from embedded.curriculum import cooled_lr
+from embedded.loops import Polisher, RunOptions, Trainer
+from embedded.losses import grounding_loss, optimizer_step
+from embedded.recipe import Recipe
+from embedded.sink import HELD_SINK_LOGIT, HeldSink, sink_logit_at
+from embedded.train import build_run_model, main_optimizer
 
 TINY = dict(size="tiny", threads=1, warmup=1, batch_scale=0.25, vision_steps=0, steps=3, polish_steps=0,
             polish_ground_spread=[])

@@ -1,4 +1,4 @@
-"""The embedded model's recipe as data (pipeline/embedded/recipe.py, cli.py): one file holds the shipped recipe,
+"""The embedded model's recipe as data (embedded/recipe.py, cli.py): one file holds the shipped recipe,
 a flag overrides one field, bad values are refused naming the field, and a checkpoint resumes only under the
 recipe that made it."""
 
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from pipeline.data import synthetic as S
-from pipeline.embedded import cli
-from pipeline.embedded.recipe import ALL_FIELDS, MAIN_FIELDS, VISION_FIELDS, Recipe, RecipeError, shipped_recipe_path
+from embedded import cli
+from embedded.recipe import ALL_FIELDS, MAIN_FIELDS, VISION_FIELDS, Recipe, RecipeError, shipped_recipe_path
 
 
 def shipped() -> dict:

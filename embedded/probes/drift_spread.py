@@ -18,8 +18,8 @@ fraction in the low / mid / high tercile of sample drift, and Spearman's rho of 
 against its object count. A model whose drift is set by its layers shows the same drift for every kind and no
 tercile spread; one whose drift follows what the description reads shows it rising with the count.
 
-    python -m pipeline.embedded.probes.drift_spread   # the embedded model, 8 samples per kind
-    python -m pipeline.embedded.probes.drift_spread --model runs/train/final --objects 3,6,12,18 --tasks textcaps,video
+    python -m embedded.probes.drift_spread   # the embedded model, 8 samples per kind
+    python -m embedded.probes.drift_spread --model runs/train/final --objects 3,6,12,18 --tasks textcaps,video
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from scipy.stats import spearmanr
 
 from pipeline.analysis.analyze import analyze
 from pipeline.data import synthetic as S
-from pipeline.embedded.probes.common import evaluate_task
+from embedded.probes.common import evaluate_task
 from pipeline.run.config import EMBEDDED, JobConfig
 
 METHODS = ["full", "exact", "fixed"]

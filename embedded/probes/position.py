@@ -11,13 +11,13 @@ scene gives the hidden states at the input of every decoder layer; a ridge regre
 
 * image tokens (the keys' side), and
 * steps that write an attribute word the text has not already announced (the queries' side; the words
-  ``pipeline.embedded.probes.reading`` scores);
+  ``embedded.probes.reading`` scores);
 
 chance is 1 / cells. The ``attention`` probe's column ``cell`` says whether the steps then attend to the cell they
 describe.
 
-    python -m pipeline.embedded.probes.position                                   # the embedded model, layout v4
-    python -m pipeline.embedded.probes.position --model DIR --layout v5 --n 12 --train 8
+    python -m embedded.probes.position                                   # the embedded model, layout v4
+    python -m embedded.probes.position --model DIR --layout v5 --n 12 --train 8
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from PIL import Image
 
 from pipeline.data import synthetic as S
-from pipeline.embedded.probes.reading import ATTRIBUTES, scored_positions
+from embedded.probes.reading import ATTRIBUTES, scored_positions
 from rcr.models import build_inputs, load, with_answer
 
 

@@ -3,13 +3,13 @@
 textcaps answers are short ("A big red plain circle at the top left .") and name 1-2 objects, so the words
 only the image tells (the ``reading`` probe) are learnt first here, or not at all. Every ``--every`` steps the
 held-out reading accuracy is printed for ``--layout`` and for each ``--also`` layout. ``--boot N`` trains the first N
-steps on ``--boot-layout``'s scenes instead (what the trainer's curriculum does, ``pipeline.embedded.curriculum``),
+steps on ``--boot-layout``'s scenes instead (what the trainer's curriculum does, ``embedded.curriculum``),
 and ``--ramp M`` then fades ``--layout``'s textured canvas in from flat grey over the next M steps.
 
-    python -m pipeline.embedded.probes.vision_bootstrap --layout v1 --steps 400   # the small flat canvas
-    python -m pipeline.embedded.probes.vision_bootstrap --layout v4 --steps 400   # v4's textured 448 x 560 canvas
-    python -m pipeline.embedded.probes.vision_bootstrap --layout v4 --boot 800 --steps 1000 --also v1
-    python -m pipeline.embedded.probes.vision_bootstrap --layout v4 --boot 600 --ramp 400 --steps 1400 --also v3
+    python -m embedded.probes.vision_bootstrap --layout v1 --steps 400   # the small flat canvas
+    python -m embedded.probes.vision_bootstrap --layout v4 --steps 400   # v4's textured 448 x 560 canvas
+    python -m embedded.probes.vision_bootstrap --layout v4 --boot 800 --steps 1000 --also v1
+    python -m embedded.probes.vision_bootstrap --layout v4 --boot 600 --ramp 400 --steps 1400 --also v3
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import time
 import torch
 
 from pipeline.data import synthetic as S
-from pipeline.embedded.assets import MODEL_SIZES, build_model, build_processor, build_tokenizer
-from pipeline.embedded.batches import BatchBuilder
-from pipeline.embedded.curriculum import BATCH_SIZES, BOOTSTRAP_LAYOUT, cosine_lr
-from pipeline.embedded.losses import make_optimizer, optimizer_step
-from pipeline.embedded.probes.reading import probe
+from embedded.assets import MODEL_SIZES, build_model, build_processor, build_tokenizer
+from embedded.batches import BatchBuilder
+from embedded.curriculum import BATCH_SIZES, BOOTSTRAP_LAYOUT, cosine_lr
+from embedded.losses import make_optimizer, optimizer_step
+from embedded.probes.reading import probe
 
 
 def main(argv=None) -> None:

@@ -10,8 +10,8 @@ A model that ignores the image still writes the template perfectly and copies a 
 its own earlier text ("... , left of the blue square . In row one , column two , a small blue ..."), so overall
 token accuracy says little; these words sit at chance (printed alongside) unless the model reads the scene.
 
-    python -m pipeline.embedded.probes.reading                                  # the embedded model, 8 samples per task
-    python -m pipeline.embedded.probes.reading --model /tmp/peek --layout v4 --n 16
+    python -m embedded.probes.reading                                  # the embedded model, 8 samples per task
+    python -m embedded.probes.reading --model /tmp/peek --layout v4 --n 16
 """
 
 from __future__ import annotations

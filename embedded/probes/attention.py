@@ -9,9 +9,9 @@ can give:
   description is at (the last "row .. , column .." written), against ``1 / cells`` for attention that ignores
   where the description is. A model that reads what it writes puts most of its image mass there.
 
-    python -m pipeline.embedded.probes.attention                     # the embedded model, 4 detailcaps samples
-    python -m pipeline.embedded.probes.attention --model /tmp/peek --n 8
-    python -m pipeline.embedded.probes.attention --per-head          # also one row per KV head (its query heads)
+    python -m embedded.probes.attention                     # the embedded model, 4 detailcaps samples
+    python -m embedded.probes.attention --model /tmp/peek --n 8
+    python -m embedded.probes.attention --per-head          # also one row per KV head (its query heads)
 
 A sliding-window layer is marked ``local``: it keeps its window and no method re-selects it.
 """
@@ -26,7 +26,7 @@ import torch
 
 from pipeline.data import synthetic as S
 from pipeline.diagnose.attention import profile
-from pipeline.embedded.probes.common import held_out_answers, sample_args
+from embedded.probes.common import held_out_answers, sample_args
 from rcr.models import geometry, load
 
 

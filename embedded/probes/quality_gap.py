@@ -7,8 +7,8 @@ held-out samples and scores it four more ways: with every attribute word replace
 texts (so only the template, the cells and the occupancy count), and with one class at a time left as it is
 and the other three masked (so only that class's mistakes count, besides the template's).
 
-    python -m pipeline.embedded.probes.quality_gap                          # the embedded model, 8 samples per task
-    python -m pipeline.embedded.probes.quality_gap --model /tmp/peek --layout v4 --n 16 --tasks detailcaps
+    python -m embedded.probes.quality_gap                          # the embedded model, 8 samples per task
+    python -m embedded.probes.quality_gap --model /tmp/peek --layout v4 --n 16 --tasks detailcaps
 
 A model whose "masked" score is near 1 writes the template right and loses only on reading the objects.
 """
@@ -22,8 +22,8 @@ import numpy as np
 
 from pipeline.analysis.text_metrics import rouge_l_f1
 from pipeline.data import synthetic as S
-from pipeline.embedded.probes.common import evaluate_task
-from pipeline.embedded.probes.reading import ATTRIBUTES
+from embedded.probes.common import evaluate_task
+from embedded.probes.reading import ATTRIBUTES
 from pipeline.run.config import JobConfig
 
 CLASSES = {name: vocab for name, (_, vocab) in ATTRIBUTES.items()}  # the words only the image tells

@@ -1,4 +1,4 @@
-"""Training runs of the embedded model (pipeline/embedded/train.py, loops.py, vision.py, checkpoints.py) on the tiny
+"""Training runs of the embedded model (embedded/train.py, loops.py, vision.py, checkpoints.py) on the tiny
 size: at a fixed thread count the weights are a function of the recipe through every stage and resume; each stage
 resumes only from a checkpoint of its own recipe and curriculum; the vision stage trains the tower alone."""
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.embedded import checkpoints, cli, train
-from pipeline.embedded.assets import build_processor, build_tokenizer
-from pipeline.embedded.batches import BatchBuilder
-from pipeline.embedded.curriculum import batch_plan, make_batch
-from pipeline.embedded.loops import Polisher, RunOptions
-from pipeline.embedded.recipe import Recipe
-from pipeline.embedded.vision import VisionPretrainer
+from embedded import checkpoints, cli, train
+from embedded.assets import build_processor, build_tokenizer
+from embedded.batches import BatchBuilder
+from embedded.curriculum import batch_plan, make_batch
+from embedded.loops import Polisher, RunOptions
+from embedded.recipe import Recipe
+from embedded.vision import VisionPretrainer
 
 TINY = ["--size", "tiny", "--threads", "1", "--warmup", "1", "--batch-scale", "0.25"]
 NO_POLISH = ["--polish-steps", "0", "--polish-ground-spread"]

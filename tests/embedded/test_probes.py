@@ -1,4 +1,4 @@
-"""The embedded model's probes and bars on constructed inputs (pipeline/embedded/probes/, bars.py, and the premise
+"""The embedded model's probes and bars on constructed inputs (embedded/probes/, bars.py, and the premise
 check's attention profile, pipeline/diagnose/attention.py): what each one counts, with no model."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pipeline.data import synthetic as S
 def test_reading_probe_scores_only_the_words_the_image_tells():
     """The reading probe: the attribute words of each object, the a/nothing of each v4 cell, and an
     object's colour and shape only where the text before it has not named them."""
-    from pipeline.embedded.probes.reading import scored_positions
+    from embedded.probes.reading import scored_positions
 
     text = ("In row one , column one , a big red plain circle , left of the blue square . In row one , column two"
             " , a small blue dotted square . In row one , column three , nothing .")
@@ -32,7 +32,7 @@ def test_attention_profile_finds_the_described_cells_tokens():
     before it, its tokens are the cell's 4 x 4 block of v4's 20 x 16 token grid, and the share is 1 for attention
     on that block alone and 1 / 20 for attention spread evenly over the image."""
     from pipeline.diagnose.attention import cell_share
-    from pipeline.embedded.probes.common import cell_masks
+    from embedded.probes.common import cell_masks
 
     text = "In row one , column one , a big red plain circle . In row two , column three , nothing ."
     words = text.split(" ")
@@ -76,7 +76,7 @@ def test_image_share_aim_is_the_image_part_of_each_step(capsys):
     from jobs.eval_embedded import main
     from pipeline.diagnose.attention import layer_profile
     from pipeline.diagnose.premises import layer_figures
-    from pipeline.embedded.bars import aims
+    from embedded.bars import aims
 
     with pytest.raises(SystemExit):
         main(["--attention-samples", "-1"])  # refused before any model loads
@@ -109,7 +109,7 @@ def test_drift_spread_tables_each_kind_and_layer(capsys):
     columns come from the fixed rows, and rho follows the forced object count."""
     import pandas as pd
 
-    from pipeline.embedded.probes.drift_spread import count_rho, kind_table, kinds, main
+    from embedded.probes.drift_spread import count_rho, kind_table, kinds, main
 
     for argv, says in [(["--objects", "3,21"], "--objects: counts in 1..20"), (["--objects", "3;6"], "--objects"),
                        (["--tasks", "detailcaps"], "--tasks"), (["--n", "2"], "--n")]:
@@ -147,7 +147,7 @@ def test_drift_spread_tables_each_kind_and_layer(capsys):
 def test_position_probe_reads_cells_only_from_features_that_hold_them():
     """The position probe: v4's tokens map to their 4 x 4 cell blocks, and the linear probe names the
     cell of held-out tokens whose features encode it and not of tokens whose features are noise."""
-    from pipeline.embedded.probes.position import probe_accuracy
+    from embedded.probes.position import probe_accuracy
 
     cells = S.token_cells(S.get_layout("v4"), torch.tensor([1, 40, 32]))
     assert cells.shape == (320,) and cells[0] == 0 and cells[4] == 1 and cells[16 * 4] == 4 and cells[-1] == 19
@@ -163,7 +163,7 @@ def test_position_probe_reads_cells_only_from_features_that_hold_them():
 def test_position_probe_takes_the_steps_that_must_read_their_cell():
     """position_probe's queries' side: the steps that write an attribute word nothing before it announced, each
     labelled with the cell being described; announced colours and shapes, "nothing" and the template are left out."""
-    from pipeline.embedded.probes.position import attribute_steps
+    from embedded.probes.position import attribute_steps
 
     text = ("In row one , column one , a big red dotted circle , left of the blue square . In row one , column two "
             ", a small blue plain square . In row one , column three , nothing .")
@@ -176,7 +176,7 @@ def test_position_probe_takes_the_steps_that_must_read_their_cell():
 def test_attribute_probe_labels_each_object_token_with_its_object():
     """The attribute probe keeps the tokens that cover part of an object (on the flat twin) and labels
     each with its own object: the token's pixels show that object's colour (or its pattern's dark shade)."""
-    from pipeline.embedded.probes.attribute import cell_objects, object_token_labels
+    from embedded.probes.attribute import cell_objects, object_token_labels
 
     lay = S.get_layout("v4")
     frames, text = S.render("detailcaps", S.HELDOUT_SEED, 2, layout="v4")
@@ -199,7 +199,7 @@ def test_attribute_probe_labels_each_object_token_with_its_object():
 def test_quality_gap_counts_only_the_masked_classes_mistakes():
     """The quality_gap probe: masking every attribute class forgives exactly the attribute mistakes, and with
     one class unmasked only that class's mistakes count."""
-    from pipeline.embedded.probes.quality_gap import gap_scores, masked
+    from embedded.probes.quality_gap import gap_scores, masked
 
     assert masked("A big red plain circle .", keep="colour") == "A <size> red <texture> <shape> ."
     ref = "In row one , column one , a big red plain circle . In row one , column two , nothing ."

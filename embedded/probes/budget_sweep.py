@@ -1,9 +1,9 @@
 """Fidelity against the resident budget on the embedded model: when does re-selection beat a static selection?
 
-    python -m pipeline.embedded.probes.budget_sweep [--model embedded] [--samples 16] [--selected 16,32,64]
-    python -m pipeline.embedded.probes.budget_sweep --whole-layers 0    # ablation: layer 0 attends to its whole prefix
-    python -m pipeline.embedded.probes.budget_sweep --selected 32 --methods exact,quest,arkvale --page-sizes 1,4,8,16
-    python -m pipeline.embedded.probes.budget_sweep --selected 32 --methods exact,infinigen \
+    python -m embedded.probes.budget_sweep [--model embedded] [--samples 16] [--selected 16,32,64]
+    python -m embedded.probes.budget_sweep --whole-layers 0    # ablation: layer 0 attends to its whole prefix
+    python -m embedded.probes.budget_sweep --selected 32 --methods exact,quest,arkvale --page-sizes 1,4,8,16
+    python -m embedded.probes.budget_sweep --selected 32 --methods exact,infinigen \
         --set infinigen_partial_ratio=1.0
 
 For each ``selected`` budget (window fixed at 32), every method decodes the same held-out synthetic
@@ -39,7 +39,7 @@ import numpy as np
 
 from pipeline.analysis.analyze import analyze
 from pipeline.data import synthetic as S
-from pipeline.embedded.probes.common import evaluate_task
+from embedded.probes.common import evaluate_task
 from pipeline.run.config import EMBEDDED, JobConfig
 
 

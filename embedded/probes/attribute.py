@@ -8,8 +8,8 @@ scenes' object tokens it names, beside the commonest value's share (what a probe
 The ``position`` probe asks the same of a token's cell; the ``reading`` probe whether the decoder's words then get
 the attributes right.
 
-    python -m pipeline.embedded.probes.attribute                                  # the embedded model, layout v4
-    python -m pipeline.embedded.probes.attribute --model DIR --n 16 --train 11
+    python -m embedded.probes.attribute                                  # the embedded model, layout v4
+    python -m embedded.probes.attribute --model DIR --n 16 --train 11
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from pipeline.data import synthetic as S
-from pipeline.embedded.probes.common import flat_tokens
-from pipeline.embedded.probes.position import probe_accuracy, probe_args, scene_hidden
-from pipeline.embedded.probes.reading import ATTRIBUTES
+from embedded.probes.common import flat_tokens
+from embedded.probes.position import probe_accuracy, probe_args, scene_hidden
+from embedded.probes.reading import ATTRIBUTES
 from rcr.models import load
 
 

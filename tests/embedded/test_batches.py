@@ -1,4 +1,4 @@
-"""The embedded model's training data (pipeline/embedded/batches.py, curriculum.py, assets.py): the vision stage's
+"""The embedded model's training data (embedded/batches.py, curriculum.py, assets.py): the vision stage's
 single-object scenes, the curriculum's plan, the model sizes' rotary sections and the grounding targets."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pipeline.data import synthetic as S
-from pipeline.embedded.assets import MODEL_SIZES, SPECIAL_TOKENS, build_model, build_processor, build_tokenizer
-from pipeline.embedded.batches import VISION_ATTRIBUTES, VISION_INDEX_BASE, BatchBuilder, vision_batch
-from pipeline.embedded.curriculum import BOOTSTRAP_LAYOUT, CURRICULUM, batch_plan, make_batch
+from embedded.assets import MODEL_SIZES, SPECIAL_TOKENS, build_model, build_processor, build_tokenizer
+from embedded.batches import VISION_ATTRIBUTES, VISION_INDEX_BASE, BatchBuilder, vision_batch
+from embedded.curriculum import BOOTSTRAP_LAYOUT, CURRICULUM, batch_plan, make_batch
 
 
 def test_vision_batches_label_the_object_they_draw():

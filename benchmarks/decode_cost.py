@@ -196,10 +196,11 @@ def embedded_model(args, device, dtype):
     from PIL import Image
 
     from pipeline.data import synthetic as S
+    from pipeline.tasks import TASKS
 
     model, processor = rcr.models.load(args.model, device=device, dtype=dtype)
     frames, _ = S.render("detailcaps", S.HELDOUT_SEED, 0)
-    inputs = rcr.models.build_inputs(processor, [rcr.models.PROMPTS["detailcaps"]], [[Image.fromarray(frames[0])]])
+    inputs = rcr.models.build_inputs(processor, [TASKS["detailcaps"].prompt], [[Image.fromarray(frames[0])]])
     return model, inputs
 
 

@@ -38,8 +38,9 @@ sys.path.insert(0, ROOT)
 
 import rcr  # noqa: E402
 from pipeline.schema import telemetry_summary  # noqa: E402
+from pipeline.tasks import TASKS  # noqa: E402
 from rcr.embedded import model_dir  # noqa: E402
-from rcr.models import PROMPTS, build_inputs, geometry  # noqa: E402
+from rcr.models import build_inputs, geometry  # noqa: E402
 
 METHODS = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen"]
 OFFLOAD = ["fixed", "rcr", "rcr_layer"]
@@ -117,11 +118,11 @@ def main(argv=None) -> int:
 
         base = os.path.dirname(os.path.abspath(args.json)) if args.json else tempfile.mkdtemp(prefix="rcr-bench-")
         calib = os.path.join(base, "infinigen_calibration")
-        held_out = [build_inputs(proc, [PROMPTS["detailcaps"]], [[image(1000 + i)]]) for i in range(4)]
+        held_out = [build_inputs(proc, [TASKS["detailcaps"].prompt], [[image(1000 + i)]]) for i in range(4)]
         skews, cols, stats = calibrate(model, held_out, 0.25)
         save_calibration(calib, skews, cols, {"command": "python benchmarks/reads_per_step.py " + " ".join(
             sys.argv[1:] if argv is None else argv), "model": name, "prompts": "4 held-out images (index 1000+)",
-            "prompt": PROMPTS["detailcaps"], **stats})
+            "prompt": TASKS["detailcaps"].prompt, **stats})
     cfg = rcr.RCRConfig(infinigen_calibration=calib)  # the paper's budget and defaults
     methods = [m for m in args.methods.split(",") if m]
     elt = next(model.parameters()).element_size()
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
     off_rows: dict[str, list[dict]] = {m: [] for m in OFFLOAD if m in methods}
     t0 = time.perf_counter()
     for i in range(args.samples):
-        inputs = build_inputs(proc, [PROMPTS["detailcaps"]], [[image(i)]])
+        inputs = build_inputs(proc, [TASKS["detailcaps"].prompt], [[image(i)]])
         res = rcr.generate(model, inputs, method=methods, max_new_tokens=args.max_new_tokens, config=cfg,
                            ignore_eos=True)
         off = rcr.generate(model, inputs, method=list(off_rows), max_new_tokens=args.max_new_tokens,

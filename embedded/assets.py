@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.data import synthetic as S
-from rcr.models import PROMPTS
+from pipeline.tasks import TASKS
 
 SPECIAL_TOKENS = {
     "pad": "<|endoftext|>",
@@ -168,7 +168,7 @@ def build_model(tokenizer, size: str, seed: int):
 
 def messages_for(task: str) -> list[dict]:
     kind = "video" if task == "video" else "image"
-    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": PROMPTS[task]}]}]
+    return [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": TASKS[task].prompt}]}]
 
 
 def processor_inputs(processor, task: str, frames: list[np.ndarray], return_tensors="pt"):

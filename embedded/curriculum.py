@@ -19,7 +19,6 @@ import math
 import numpy as np
 
 from pipeline.data import synthetic as S
-from pipeline.schema import TASKS
 
 BOOTSTRAP_LAYOUT = "v1"
 CURRICULUM = (
@@ -48,8 +47,8 @@ def batch_plan(seed: int, step: int, total_steps: int, batch_scale: float, layou
     until, weights, n_range, share, canvas = CURRICULUM[phase]
     start = CURRICULUM[phase - 1][0] if phase else 0.0
     strength = 1.0 if canvas is None else canvas[0] + (canvas[1] - canvas[0]) * (frac - start) / (until - start)
-    p = np.array([(weights if mix is None else mix).get(t, 0.0) for t in TASKS])
-    task = TASKS[int(rng.choice(3, p=p / p.sum()))]
+    p = np.array([(weights if mix is None else mix).get(t, 0.0) for t in S.TASKS])
+    task = S.TASKS[int(rng.choice(len(S.TASKS), p=p / p.sum()))]
     bs = max(1, int(round(BATCH_SIZES[task] * batch_scale)))
     lay = layout if rng.random() < share else BOOTSTRAP_LAYOUT
     n_cells = S.get_layout(lay).rows * S.get_layout(lay).cols

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.data import synthetic as S
-from pipeline.schema import TASKS
+from pipeline.tasks import TASKS
 from rcr.embedded import model_dir
 
 from .assets import MODEL_SIZES

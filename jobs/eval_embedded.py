@@ -23,13 +23,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from embedded import bars as B  # noqa: E402
+from embedded.probes.common import evaluate_task  # noqa: E402
 from pipeline.analysis.analyze import analyze  # noqa: E402
 from pipeline.analysis.labels import BACON, PREFILL_ORACLE  # noqa: E402
 from pipeline.data import synthetic as S  # noqa: E402
 from pipeline.diagnose import premises  # noqa: E402
-from embedded import bars as B  # noqa: E402
-from embedded.probes.common import evaluate_task  # noqa: E402
-from pipeline.run.config import DEFAULT_MAX_NEW_TOKENS, EMBEDDED, JobConfig  # noqa: E402
+from pipeline.run.config import EMBEDDED, JobConfig  # noqa: E402
+from pipeline.tasks import TASKS  # noqa: E402
 
 # methods each task decodes (besides full); detailcaps carries the premises, textcaps the short-answer one
 TASK_METHODS = {
@@ -44,17 +45,17 @@ def layer_probes(model_name: str, layout: str, n: int, threads: int):
     answers, with eager attention (the weights are materialised only there)."""
     import torch
 
-    from pipeline.diagnose import attention, detector
     from embedded.probes.common import held_out_answers
+    from pipeline.diagnose import attention, detector
     from rcr import RCRConfig
     from rcr.models import geometry, load
 
     torch.set_num_threads(threads)
     model, processor = load(model_name)
     model.set_attn_implementation("eager")
-    answers = held_out_answers(model, processor, "detailcaps", layout, n, DEFAULT_MAX_NEW_TOKENS["detailcaps"])
+    answers = held_out_answers(model, processor, "detailcaps", layout, n, TASKS["detailcaps"].max_new_tokens)
     cfg = RCRConfig()
-    context = answers[0].inputs["input_ids"].shape[1] + DEFAULT_MAX_NEW_TOKENS["detailcaps"] - 1
+    context = answers[0].inputs["input_ids"].shape[1] + TASKS["detailcaps"].max_new_tokens - 1
     return attention.profile(model, answers, cfg.selected), detector.probe(model, answers, cfg), \
         geometry(model).reselected(context)
 

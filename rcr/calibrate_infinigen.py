@@ -24,8 +24,10 @@ import numpy as np
 import torch
 
 from .attention import rcr_attention_enabled
-from .models import PROMPTS, adapter_for, build_inputs, geometry
+from .models import adapter_for, build_inputs, geometry
 from .skewing import check_orthogonal, n_partial, partial_columns, save_calibration, skew_from_grams
+
+DEFAULT_PROMPT = "Describe this image in detail."  # DetailCaps' prompt (lmms-eval's detailcaps task)
 
 
 def synthetic_scene(seed: int, size: int = 448):
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output directory (give this to RCRConfig.infinigen_calibration)")
     ap.add_argument("--images", help="directory of images to calibrate on (default: synthetic scenes)")
     ap.add_argument("--n", type=int, default=8, help="number of prompts (default 8)")
-    ap.add_argument("--prompt", default=PROMPTS["detailcaps"], help="text prompt after the image")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT,
+                    help=f"text prompt after the image (default: {DEFAULT_PROMPT!r})")
     ap.add_argument("--image-size", type=int, default=448, help="synthetic scene size in pixels (default 448)")
     ap.add_argument("--partial-ratio", type=float, default=0.25,
                     help="partial columns as a fraction of the head dim (default 0.25: Np/4 key equivalents)")

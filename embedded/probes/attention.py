@@ -24,9 +24,9 @@ import os
 import numpy as np
 import torch
 
+from embedded.probes.common import held_out_answers, sample_args
 from pipeline.data import synthetic as S
 from pipeline.diagnose.attention import profile
-from embedded.probes.common import held_out_answers, sample_args
 from rcr.models import geometry, load
 
 

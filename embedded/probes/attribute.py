@@ -19,10 +19,10 @@ import os
 import numpy as np
 import torch
 
-from pipeline.data import synthetic as S
 from embedded.probes.common import flat_tokens
 from embedded.probes.position import probe_accuracy, probe_args, scene_hidden
 from embedded.probes.reading import ATTRIBUTES
+from pipeline.data import synthetic as S
 from rcr.models import load
 
 

@@ -37,9 +37,9 @@ import time
 
 import numpy as np
 
+from embedded.probes.common import evaluate_task
 from pipeline.analysis.analyze import analyze
 from pipeline.data import synthetic as S
-from embedded.probes.common import evaluate_task
 from pipeline.run.config import EMBEDDED, JobConfig
 
 

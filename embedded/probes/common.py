@@ -19,6 +19,7 @@ from pipeline.data import synthetic as S
 from pipeline.diagnose.attention import Answer, greedy_answers, visual_token_ids
 from pipeline.run.actor import SampleEvaluator
 from pipeline.run.config import JobConfig
+from pipeline.tasks import TASKS
 
 
 def sample_args(ap: argparse.ArgumentParser, n: int) -> None:
@@ -60,7 +61,7 @@ def held_out_answers(model, processor, task: str, layout: str, n: int, max_new_t
     """The greedy answers to the first ``n`` held-out samples of ``task``, with the masks of the flat canvas (single
     images) and, for descriptions that walk every cell, of each step's described cell."""
     scenes = [S.render(task, S.HELDOUT_SEED, i, layout=layout)[0] for i in range(n)]
-    samples = [(S.PROMPTS[task], [Image.fromarray(f) for f in frames], task == "video") for frames in scenes]
+    samples = [(TASKS[task].prompt, [Image.fromarray(f) for f in frames], task == "video") for frames in scenes]
     answers = greedy_answers(model, processor, samples, max_new_tokens)
     visual = visual_token_ids(model)
     lay = S.get_layout(layout)

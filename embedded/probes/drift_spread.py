@@ -32,9 +32,9 @@ import numpy as np
 import pandas as pd
 from scipy.stats import spearmanr
 
+from embedded.probes.common import evaluate_task
 from pipeline.analysis.analyze import analyze
 from pipeline.data import synthetic as S
-from embedded.probes.common import evaluate_task
 from pipeline.run.config import EMBEDDED, JobConfig
 
 METHODS = ["full", "exact", "fixed"]

@@ -29,8 +29,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.data import synthetic as S
 from embedded.probes.reading import ATTRIBUTES, scored_positions
+from pipeline.data import synthetic as S
+from pipeline.tasks import TASKS
 from rcr.models import build_inputs, load, with_answer
 
 
@@ -51,7 +52,7 @@ def scene_hidden(model, processor, frames: list[np.ndarray], text: str):
     and of the steps ([layer] (answer words, hidden): row k is the step that writes answer word k, which reads the
     token before it), the image's grid_thw (3,) and the answer's words."""
     tok = processor.tokenizer
-    inputs = build_inputs(processor, [S.PROMPTS["detailcaps"]], [[Image.fromarray(f) for f in frames]])
+    inputs = build_inputs(processor, [TASKS["detailcaps"].prompt], [[Image.fromarray(f) for f in frames]])
     answer = tok(text, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         hidden = model(**with_answer(inputs, torch.tensor([answer])), output_hidden_states=True).hidden_states

@@ -20,10 +20,10 @@ import os
 
 import numpy as np
 
-from pipeline.analysis.text_metrics import rouge_l_f1
-from pipeline.data import synthetic as S
 from embedded.probes.common import evaluate_task
 from embedded.probes.reading import ATTRIBUTES
+from pipeline.analysis.text_metrics import rouge_l_f1
+from pipeline.data import synthetic as S
 from pipeline.run.config import JobConfig
 
 CLASSES = {name: vocab for name, (_, vocab) in ATTRIBUTES.items()}  # the words only the image tells

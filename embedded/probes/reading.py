@@ -22,7 +22,8 @@ import torch
 from PIL import Image
 
 from pipeline.data import synthetic as S
-from rcr.models import PROMPTS, build_inputs, load, with_answer
+from pipeline.tasks import TASKS
+from rcr.models import build_inputs, load, with_answer
 
 # attribute words by their offset after "a", and the chance of a uniform guess (the generator draws uniformly)
 ATTRIBUTES = {"size": (1, S.SIZES), "colour": (2, tuple(S.COLOURS)), "texture": (3, S.TEXTURES),
@@ -58,7 +59,7 @@ def probe(model, processor, task: str, layout: str, n: int) -> dict[str, tuple[i
     n_a = 0
     for i in range(n):
         frames, text = S.render(task, S.HELDOUT_SEED, i, layout=layout)
-        inputs = build_inputs(processor, [PROMPTS[task]], [[Image.fromarray(f) for f in frames]],
+        inputs = build_inputs(processor, [TASKS[task].prompt], [[Image.fromarray(f) for f in frames]],
                               video=task == "video")
         answer = tok(text, add_special_tokens=False)["input_ids"]
         words = tok.convert_ids_to_tokens(answer)

@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from pipeline.data import synthetic as S
 from embedded.assets import MODEL_SIZES, build_model, build_processor, build_tokenizer
 from embedded.batches import BatchBuilder
 from embedded.curriculum import BATCH_SIZES, BOOTSTRAP_LAYOUT, cosine_lr
 from embedded.losses import make_optimizer, optimizer_step
 from embedded.probes.reading import probe
+from pipeline.data import synthetic as S
 
 
 def main(argv=None) -> None:

@@ -30,8 +30,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipeline.schema import TASKS
-from rcr.models import PROMPTS
+from pipeline.tasks import TASKS as REGISTRY
 
 SOURCE = "synthetic"
 
@@ -126,6 +125,8 @@ SMALL_RADIUS = 13.0
 
 HELDOUT_SEED = 10_000  # evaluation and the embedded job's shards use this seed: training refuses it (its recipe)
 
+# the tasks this generator draws, in the order that sets each one's seed offset (never reorder)
+TASKS = ("detailcaps", "textcaps", "video")
 _TASK_CODE = {t: i + 1 for i, t in enumerate(TASKS)}
 
 
@@ -156,7 +157,7 @@ def vocabulary() -> list[str]:
         "A and at moves from to then stays in the whole time",
         "One object . Two objects . The",
     ]
-    fixed += list(PROMPTS.values()) + list(VIDEO_POSITIONS) + list(QUADRANTS)
+    fixed += [REGISTRY[t].prompt for t in TASKS] + list(VIDEO_POSITIONS) + list(QUADRANTS)
     fixed += list(COLOURS) + list(SHAPES) + list(SIZES) + list(TEXTURES) + list(NUMBER_WORDS)
     for s in fixed:
         words.update(canonical(s).split())
@@ -499,7 +500,7 @@ def make_record(task: str, seed: int, index: int, layout: str = DEFAULT_LAYOUT, 
     return {
         "sample_id": f"synthetic-{tag}{task}{count}-s{seed}-{index:07d}",
         "task": task,
-        "prompt": PROMPTS[task],
+        "prompt": REGISTRY[task].prompt,
         "images": [encode_png(f) for f in frames],
         "references": [text],
         "source": SOURCE,

@@ -28,7 +28,8 @@ from pipeline.data.images import BadInput, load_sample_images
 from pipeline.quiet import quiet_model_loading
 from pipeline.run.config import JobConfig, default_max_new_tokens
 from pipeline.run.select import METHODS_COLUMN  # optional input column: the methods still missing (resume)
-from pipeline.schema import TASKS, JobStamp, error_rows, output_row, output_table
+from pipeline.schema import JobStamp, error_rows, output_row, output_table
+from pipeline.tasks import TASKS
 
 log = logging.getLogger(__name__)
 

@@ -185,8 +185,8 @@ def materialize(payload: dict, engine, cfg) -> tuple[str, tempfile.TemporaryDire
 
 def main(argv: list[str] | None = None) -> int:
     """Write the embedded model's shipped calibration (rerun after retraining the model)."""
-    from pipeline.data import synthetic
     from embedded.recipe import Recipe
+    from pipeline.data import synthetic
     from rcr.embedded import model_dir
     from rcr.models import load
 

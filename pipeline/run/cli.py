@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 
 from pipeline.run.config import (
-    DEFAULT_MAX_NEW_TOKENS,
     JobConfig,
     available_methods,
     default_runs_root,
     default_tracking_uri,
 )
-from pipeline.schema import TASKS
+from pipeline.tasks import TASKS
 
 
 def _epilog(task: str | None) -> str:
@@ -37,8 +36,8 @@ def _epilog(task: str | None) -> str:
 def _what(p: argparse.ArgumentParser, task: str | None, d: JobConfig, runs) -> None:
     g = p.add_argument_group("what to run")
     if task is None:
-        g.add_argument("--task", choices=TASKS, help=f"which task (default: {d.task})")
-    tokens = ", ".join(f"{t} {n}" for t, n in DEFAULT_MAX_NEW_TOKENS.items() if task in (None, t))
+        g.add_argument("--task", choices=list(TASKS), help=f"which task (default: {d.task})")
+    tokens = ", ".join(f"{t} {n}" for t, n in ((t, x.max_new_tokens) for t, x in TASKS.items()) if task in (None, t))
     g.add_argument("--model", help="'embedded' (the small synthetic-scene model shipped in rcr/embedded_model), "
                    "a local checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct (default: embedded)")
     g.add_argument("--shards", nargs="+", help="Parquet shard files/dirs/globs in the input schema, or 'embedded': "

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.schema import METHOD_ORDER, TASKS
+from pipeline.schema import METHOD_ORDER
+from pipeline.tasks import TASKS
 from rcr.embedded import model_dir as embedded_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = "embedded"
 EMBEDDED_MODEL_DIR = embedded_model_dir()  # package data of rcr: rcr/embedded_model/
 
-DEFAULT_MAX_NEW_TOKENS = {"detailcaps": 512, "textcaps": 64, "video": 128}
 MAX_NEW_TOKENS_LIMIT = 8192
 
 # The shape of a Hub id (`owner/name`, or a legacy bare name). Whether it resolves (local cache, or the Hub when
@@ -53,7 +53,7 @@ def default_max_new_tokens(task: str) -> int:
     """The task's default output length (what validate() fills in); a ConfigError naming 'task' if unknown."""
     if task not in TASKS:
         raise ConfigError("task", f"unknown task '{task}'; choose one of {', '.join(TASKS)}")
-    return DEFAULT_MAX_NEW_TOKENS[task]
+    return TASKS[task].max_new_tokens
 
 
 def default_runs_root() -> Path:
@@ -75,7 +75,7 @@ class JobConfig:
     shards: list[str] = field(default_factory=lambda: [EMBEDDED])  # parquet files, dirs or globs; "embedded"
     dataset: str | None = None  # instead of shards: "NAME[:split]", the task's HF dataset or a local copy of it
     methods: list[str] = field(default_factory=lambda: ["all"])  # "all": every method the core provides
-    max_new_tokens: int | None = None  # None: 512 detailcaps, 64 textcaps, 128 video
+    max_new_tokens: int | None = None  # None: the task's (pipeline/tasks/)
     limit: int | None = None  # first N input rows, in shard order
     batch_size: int = 4  # samples per model call (left-padded batch) and per Ray batch
     num_actors: int = 1

@@ -111,7 +111,7 @@ def dataset_shards(spec: str, task: str) -> list[str]:
         cache = root / named.cache_name(loc)
         if not (cache / shards.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
             say(f"converting {spec} to input shards in {cache} (once)")
-            shards.write_shards(named.records(loc), cache, prefix=named.source.name)
+            shards.write_shards(named.records(loc), cache, prefix=named.task.name)
     except convert.OfflineError as e:
         raise ConfigError("dataset", f"{e} (for a job: --dataset <that file or dir>)") from None
     except shards.DataError as e:

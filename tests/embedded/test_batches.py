@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data import synthetic as S
 from embedded.assets import MODEL_SIZES, SPECIAL_TOKENS, build_model, build_processor, build_tokenizer
 from embedded.batches import VISION_ATTRIBUTES, VISION_INDEX_BASE, BatchBuilder, vision_batch
 from embedded.curriculum import BOOTSTRAP_LAYOUT, CURRICULUM, batch_plan, make_batch
+from pipeline.data import synthetic as S
 
 
 def test_vision_batches_label_the_object_they_draw():

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data import synthetic as S
 from embedded.assets import SYSTEM_PROMPT_ROLE, build_model, build_processor, build_tokenizer, processor_inputs
 from embedded.batches import BatchBuilder
 from embedded.curriculum import cooled_lr
@@ -19,6 +18,7 @@ from embedded.losses import grounding_loss, optimizer_step
 from embedded.recipe import Recipe
 from embedded.sink import HELD_SINK_LOGIT, HeldSink, sink_logit_at
 from embedded.train import build_run_model, main_optimizer
+from pipeline.data import synthetic as S
 
 TINY = dict(size="tiny", threads=1, warmup=1, batch_scale=0.25, vision_steps=0, steps=3, polish_steps=0,
             polish_ground_spread=[])

@@ -31,8 +31,8 @@ def test_attention_profile_finds_the_described_cells_tokens():
     """The attention profile's column `cell`: each answer step's described cell is the one named last
     before it, its tokens are the cell's 4 x 4 block of v4's 20 x 16 token grid, and the share is 1 for attention
     on that block alone and 1 / 20 for attention spread evenly over the image."""
-    from pipeline.diagnose.attention import cell_share
     from embedded.probes.common import cell_masks
+    from pipeline.diagnose.attention import cell_share
 
     text = "In row one , column one , a big red plain circle . In row two , column three , nothing ."
     words = text.split(" ")
@@ -73,10 +73,10 @@ def test_image_share_aim_is_the_image_part_of_each_step(capsys):
     """`on_image` (the attention profile's `on-img`, the image-share aim) is the image tokens' share of a step's
     whole attention, not of its prefix part; the aim is met only if every re-selected layer gives the image < 0.5,
     and a sliding-window layer (never re-selected) is left out of the premise check's per-layer figures."""
+    from embedded.bars import aims
     from jobs.eval_embedded import main
     from pipeline.diagnose.attention import layer_profile
     from pipeline.diagnose.premises import layer_figures
-    from embedded.bars import aims
 
     with pytest.raises(SystemExit):
         main(["--attention-samples", "-1"])  # refused before any model loads

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from pipeline.data import synthetic as S
 from embedded import cli
 from embedded.recipe import ALL_FIELDS, MAIN_FIELDS, VISION_FIELDS, Recipe, RecipeError, shipped_recipe_path
+from pipeline.data import synthetic as S
 
 
 def shipped() -> dict:

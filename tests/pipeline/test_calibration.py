@@ -44,8 +44,8 @@ def test_the_shipped_calibration_belongs_to_the_shipped_model():
     assert tuple(cols[0].shape) == (geo.n_kv_heads, round(0.25 * geo.head_dim))
     assert meta["model_sha256"] == C.embedded_weights_sha256() and meta["sha256"] == calibration_digest(str(d))
     # calibrated on scenes of a seed neither the training nor the evaluation shards use
-    from pipeline.data import synthetic
     from embedded.recipe import Recipe
+    from pipeline.data import synthetic
 
     assert all(f"-s{C.CALIBRATION_SEED}-" in s for s in meta["sample_ids"]) and len(meta["sample_ids"]) == C.N_HELDOUT
     recipe = Recipe.load(C.shipped_dir().parent)  # the recipe the shipped model carries

@@ -32,11 +32,12 @@ from pipeline.data import synthetic  # noqa: E402
 from pipeline.data.images import sample_images  # noqa: E402
 from pipeline.data.shards import read_input, write_shards  # noqa: E402
 from pipeline.lmms.tasks import write_task, write_tasks  # noqa: E402
+from pipeline.tasks import TASKS  # noqa: E402
 from rcr.config import ConfigError  # noqa: E402
 
 MAX_NEW = 24
 SELECTED = "selected=4,candidates=16"
-TASKS = ["rcr_detailcaps", "rcr_textcaps"]
+LMMS_TASKS = ["rcr_detailcaps", "rcr_textcaps"]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def logged(results: dict, task: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def full_run(task_dir):
-    return evaluate(task_dir, TASKS, "pretrained=embedded,method=full")
+    return evaluate(task_dir, LMMS_TASKS, "pretrained=embedded,method=full")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_full_reproduces_rcr_generate(task_dir, full_run):
     """Every sample's text under method=full is plain rcr.generate's (batch 1, same prompt and max_new_tokens),
     and the tasks report lmms-eval's ROUGE-L and CIDEr."""
     model, processor = rcr.models.load("embedded")
-    for task in TASKS:
+    for task in LMMS_TASKS:
         got = logged(full_run, task)
         rows = read_input(task_dir / "shards" / task.removeprefix("rcr_")).to_pylist()
         assert sorted(got) == sorted(r["sample_id"] for r in rows)
@@ -224,7 +225,7 @@ def test_a_video_file_is_decoded_as_rcr_generate_decodes_its_frames(tmp_path):
         out.mux(stream.encode())
     m = get_model("rcr").create_from_arg_string("pretrained=embedded,method=full")
     m.task_dict = {"t": {"test": [{}]}}
-    prompt = synthetic.PROMPTS["video"]
+    prompt = TASKS["video"].prompt
     req = Instance(request_type="generate_until", idx=0, metadata={"task": "t", "doc_id": 0, "repeats": 1},
                    arguments=(prompt, {"max_new_tokens": 16, "until": []}, lambda doc: [str(path)], 0, "t", "test"))
     (got,) = m.generate_until([req])

@@ -11,15 +11,13 @@ import pytest
 import torch
 from PIL import Image
 
-import rcr.models
 from pipeline import schema
 from pipeline.analysis import tracking
 from pipeline.analysis.analyze import METHOD_MEANS, analyze
 from pipeline.analysis.labels import order_methods
 from pipeline.analysis.report import minimal_summary
 from pipeline.analysis.telemetry import as_2d
-from pipeline.data import convert, decode_image, synthetic
-from pipeline.data.images import load_sample_images
+from pipeline.data.images import decode_image, load_sample_images
 from pipeline.run import config, store
 from rcr.generate import GenerationResult
 from rcr.telemetry import HostTelemetry
@@ -129,13 +127,6 @@ def test_one_tracking_uri_resolver(uri, tmp_path, monkeypatch):
     assert cfg.mlflow_uri.startswith(("sqlite:////", "file:///", "http://")) or uri == "sqlite:///:memory:"
     if uri == "sqlite:///:memory:":
         assert cfg.mlflow_uri == uri  # SQLite's in-memory database, not a file named ':memory:'
-
-
-def test_one_list_of_tasks_and_prompts():
-    assert config.TASKS is schema.TASKS
-    assert set(rcr.models.PROMPTS) == set(schema.TASKS)
-    assert {s.task: s.prompt for s in convert.SOURCES.values()} == {t: rcr.models.PROMPTS[t] for t in convert.SOURCES}
-    assert synthetic.PROMPTS == rcr.models.PROMPTS and tuple(synthetic.TASKS) == schema.TASKS
 
 
 def test_one_arrow_type_check(tmp_path):

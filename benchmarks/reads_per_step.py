@@ -6,16 +6,20 @@ offload mode really moves from host memory, next to the 160·r model.
 Model: ``--model``, else the embedded model (rcr/embedded_model) when it exists, else a tiny random-weight
 Qwen2-VL (tests/tiny_models.py) with a realistic prefix (896 px: 1,024 visual tokens). Every method decodes
 the same samples (batch 1 each) with the paper's budget: 32 selected + 32 window slots, 128 candidates, rank 8,
-pages of 16. Reads are counted per KV head and layer-step, as the telemetry records them (the deployment
-accounting: what a step must bring from the prefix store).
+pages of 16. Reads are the output rows' columns (``pipeline/schema.py``): per KV head and layer-step, over the
+layers the method re-selects (docs/algorithms.md, "Cost per decode step": what a step must bring from the prefix
+store).
 
-Cost model (the RCR paper; docs/algorithms.md, "Cost per decode step"), per KV head and step:
+Cost model (docs/algorithms.md, "Cost per decode step"), per KV head and layer-step, next to what the RCR paper
+charges ("Cost per KV head per step is about Np/16 detector dot products plus 160·r CPU reads [...] Quest, ArkVale
+and InfiniGen read 64 vectors per step"):
 - rcr / fixed / rcr_layer: 160·r vector reads (128 candidate keys + 32 values when the layer refreshes, r the
   refresh fraction); detector Np·rank/d dot products (Np/16 at d=128, rank 8).
 - quest / arkvale / infinigen: 64 vectors (32 keys + 32 values); summaries of 2 vectors per page (Np/8) for
-  Quest/ArkVale, Np/4 partial keys for InfiniGen. ArkVale is measured as it pays: recalled pages only.
+  Quest/ArkVale, Np/4 partial keys for InfiniGen. ArkVale's own recalls into its page cache are printed apart.
 - exact: Np keys + 32 values. bacon / prefill_oracle / full: 0.
-- Offload bytes per step (all layers and KV heads): L·Hkv·160·r·d·s, s = bytes per element.
+- Offload bytes per step (all layers and KV heads): L'·Hkv·160·r·d·s, L' the re-selected layers (r is over
+  them), s = bytes per element.
 """
 
 from __future__ import annotations
@@ -69,18 +73,19 @@ def load_model(args):
             lambda i: tiny_models.random_image(args.seed + i, args.image_size))
 
 
-def model_reads(label: str, np_: float, r: float, cfg: rcr.RCRConfig, d: int) -> tuple[str, float, float]:
-    """(formula, vectors per KV head per step, detector dots per query vector) of the cost model."""
+def model_reads(label: str, np_: float, r: float, cfg: rcr.RCRConfig, d: int) -> tuple[str, float, float, str]:
+    """(formula, vectors per KV head per step, detector dots per query vector) of the cost model, and what the RCR
+    paper charges the method."""
     s = cfg.selected
     if label in ("rcr", "fixed", "rcr_layer"):
-        return "160·r", (cfg.candidates + s) * r, np_ * cfg.rank / d
+        return "160·r", (cfg.candidates + s) * r, np_ * cfg.rank / d, "160·r"
     if label in ("quest", "arkvale"):
-        return "64", 2.0 * s, 2 * np.ceil(np_ / cfg.page_size)
+        return "64", 2.0 * s, 2 * np.ceil(np_ / cfg.page_size), "64"
     if label == "infinigen":
-        return "64", 2.0 * s, np_ * round(cfg.infinigen_partial_ratio * d) / d
+        return "64", 2.0 * s, np_ * round(cfg.infinigen_partial_ratio * d) / d, "64"
     if label == "exact":
-        return "Np+32", np_ + s, 0.0
-    return "0", 0.0, 0.0
+        return "Np+32", np_ + s, 0.0, "prefix scan"
+    return "0", 0.0, 0.0, "-"
 
 
 def main(argv=None) -> int:
@@ -133,12 +138,14 @@ def main(argv=None) -> int:
             s = telemetry_summary(res[m].sample(0))
             rows[m].append(dict(np_=int(res[m].prefix_len[0]), r=s["refresh_fraction"], k=s["keys_read_per_step"],
                                 v=s["values_read_per_step"], dots=s["detector_dots_per_step"],
+                                recalled=np.nan if s["recalled_per_step"] is None else s["recalled_per_step"],
                                 match=float((res[m].sequences == res["full"].sequences).float().mean())
                                 if "full" in res else float("nan")))
         for m in off_rows:
             s = telemetry_summary(off[m].sample(0))
             assert torch.equal(off[m].sequences, res[m].sequences), f"{m}: offload output != resident output"
-            off_rows[m].append(dict(r=s["refresh_fraction"], bytes=s["bytes_moved_per_step"]))
+            layers = int((~np.isnan(off[m].telemetry.trigger[0]).all(-1)).sum())  # re-selected layers
+            off_rows[m].append(dict(r=s["refresh_fraction"], bytes=s["bytes_moved_per_step"], layers=layers))
     wall = time.perf_counter() - t0
 
     np_mean = float(np.mean([r["np_"] for r in rows[methods[0]]]))
@@ -149,9 +156,10 @@ def main(argv=None) -> int:
           f"budget {cfg.selected} selected + {cfg.window} window, {cfg.candidates} candidates, rank {cfg.rank}, "
           f"page {cfg.page_size}; wall {wall:.0f} s")
     print()
-    print("Prefix reads per KV head per layer-step (keys + values), measured vs cost model")
+    print("Prefix reads per KV head per re-selected layer-step (keys + values), measured vs cost model and the RCR "
+          "paper; ArkVale's own recalls apart")
     hdr = (f"{'method':<15}{'r':>7}{'keys':>9}{'values':>9}{'total':>9}   {'model':<7}{'= vectors':>10}"
-           f"{'dots meas.':>12}{'dots model':>12}{'= x Np':>9}{'tok match':>11}")
+           f"{'paper':>13}{'recalled':>10}{'dots meas.':>12}{'dots model':>12}{'= x Np':>9}{'tok match':>11}")
     print(hdr)
     print("-" * len(hdr))
     out = {"model": name, "geometry": vars(geo), "np": np_mean, "config": cfg.to_dict(), "methods": {},
@@ -162,12 +170,15 @@ def main(argv=None) -> int:
         k = float(np.mean([x["k"] for x in rr]))
         v = float(np.mean([x["v"] for x in rr]))
         dots = float(np.mean([x["dots"] for x in rr]))
+        recalled = float(np.mean([x["recalled"] for x in rr]))
         match = float(np.mean([x["match"] for x in rr]))
         label = m.split("@")[0]
-        formula, vec, dmodel = model_reads(label, np_mean, r, cfg, geo.head_dim)
-        print(f"{m:<15}{r:>7.3f}{k:>9.1f}{v:>9.1f}{k + v:>9.1f}   {formula:<7}{vec:>10.1f}{dots:>12.1f}"
-              f"{dmodel:>12.1f}{(dots / np_mean if np_mean else 0):>9.3f}{match:>11.2f}")
+        formula, vec, dmodel, paper = model_reads(label, np_mean, r, cfg, geo.head_dim)
+        own = "-" if np.isnan(recalled) else f"{recalled:.1f}"
+        print(f"{m:<15}{r:>7.3f}{k:>9.1f}{v:>9.1f}{k + v:>9.1f}   {formula:<7}{vec:>10.1f}{paper:>13}{own:>10}"
+              f"{dots:>12.1f}{dmodel:>12.1f}{(dots / np_mean if np_mean else 0):>9.3f}{match:>11.2f}")
         out["methods"][m] = dict(refresh_fraction=r, keys=k, values=v, model=formula, model_vectors=vec,
+                                 paper=paper, recalled=None if np.isnan(recalled) else recalled,
                                  detector_dots=dots, detector_dots_model=dmodel, token_match_vs_full=match)
     if off_rows:
         print()
@@ -175,7 +186,8 @@ def main(argv=None) -> int:
         hdr = f"{'method':<15}{'r':>7}{'bytes/step':>13}{'160·r model':>13}{'ratio':>7}{'at r=rho':>11}"
         print(hdr)
         print("-" * len(hdr))
-        per_r = geo.n_layers * geo.n_kv_heads * (cfg.candidates + cfg.selected) * geo.head_dim * elt
+        n_sel = max(x["layers"] for rr in off_rows.values() for x in rr)
+        per_r = n_sel * geo.n_kv_heads * (cfg.candidates + cfg.selected) * geo.head_dim * elt
         for m, rr in off_rows.items():
             r = float(np.mean([x["r"] for x in rr]))
             b = float(np.mean([x["bytes"] for x in rr]))
@@ -184,7 +196,8 @@ def main(argv=None) -> int:
                   f"{per_r * cfg.rho:>11.0f}")
             out["offload"][m] = dict(refresh_fraction=r, bytes_per_step=b, model_bytes=model_b,
                                      model_bytes_at_rho=per_r * cfg.rho)
-        print(f"(model: L·Hkv·160·r·d·s = {geo.n_layers}·{geo.n_kv_heads}·160·r·{geo.head_dim}·{elt} bytes)")
+        print(f"(model: L'·Hkv·160·r·d·s = {n_sel}·{geo.n_kv_heads}·160·r·{geo.head_dim}·{elt} bytes, L' the "
+              f"re-selected layers of {geo.n_layers})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -159,8 +159,11 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field("refresh_fraction", pa.float64()),  # mean trigger over valid layer-steps
     pa.field("mean_drift", pa.float64()),
     pa.field("mean_drift_exact", pa.float64()),
-    pa.field("keys_read_per_step", pa.float64()),  # per KV head per layer-step
+    # prefix reads per KV head per layer-step, over the layers the method re-selects (docs/algorithms.md, "Cost
+    # per decode step"); ArkVale's own recalls into its page cache apart, null for other methods
+    pa.field("keys_read_per_step", pa.float64()),
     pa.field("values_read_per_step", pa.float64()),
+    pa.field("recalled_per_step", pa.float64()),
     pa.field("detector_dots_per_step", pa.float64()),
     pa.field("bytes_moved_per_step", pa.float64()),  # host-to-device prefix bytes per decode step (offload)
     # per-layer-step telemetry, [layer][step]
@@ -231,6 +234,13 @@ def _mean(x: np.ndarray | None) -> float | None:
     return float(np.nanmean(x)) if x is not None and x.size and not np.all(np.isnan(x)) else None
 
 
+def _reselected_mean(x: np.ndarray, trigger: np.ndarray) -> float:
+    """Mean of x (L, steps) over the layers with a selection (a sliding-window layer's trigger is NaN,
+    rcr.telemetry.Telemetry); 0 when there is none (nothing was read)."""
+    layers = ~np.isnan(trigger).all(-1)
+    return float(x[layers].mean()) if x.size and layers.any() else 0.0
+
+
 def telemetry_summary(s: dict) -> dict[str, float | None]:
     """The per-row summaries of one sample's trimmed telemetry (``GenerationResult.sample(b)``): means over
     its valid layer-steps (0 for a sample that stopped after one token)."""
@@ -241,9 +251,10 @@ def telemetry_summary(s: dict) -> dict[str, float | None]:
         "refresh_fraction": _mean(s["trigger"]) if steps else 0.0,
         "mean_drift": _mean(s["drift"]),
         "mean_drift_exact": _mean(s.get("drift_exact")),
-        "keys_read_per_step": float(s["keys_read"].mean()) if steps else 0.0,
-        "values_read_per_step": float(s["values_read"].mean()) if steps else 0.0,
-        "detector_dots_per_step": float(s["detector_dots"].mean()) if steps else 0.0,
+        "keys_read_per_step": _reselected_mean(s["keys_read"], s["trigger"]),
+        "values_read_per_step": _reselected_mean(s["values_read"], s["trigger"]),
+        "recalled_per_step": _mean(s.get("recalled")),
+        "detector_dots_per_step": _reselected_mean(s["detector_dots"], s["trigger"]),
         # all layers and KV heads: (L, steps) -> sum over layers, mean over steps
         "bytes_moved_per_step": float(bytes_moved.sum(0).mean()) if steps and bytes_moved is not None else 0.0,
     }

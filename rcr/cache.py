@@ -100,6 +100,22 @@ class PrefixStore:
         return self._kv[layer]
 
 
+def tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj`` through dataclass fields, lists, tuples and dict values (a prefix store, a
+    method's state), for marking as static addresses (``rcr.generate.Decoder.static_tensors``)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    else:
+        return []
+    return [t for item in items for t in tensors_in(item)]
+
+
 def gather_heads(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x (B, H, N, d), idx (B, H, k) -> (B, H, k, d): the rows ``x[b, h, idx[b, h]]``.
 

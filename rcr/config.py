@@ -63,10 +63,11 @@ class RCRConfig:
     # Quest: page bound U_p(q) = sum_i max(q_i M_i, q_i m_i), reduced over the G query heads of a KV head:
     # "max" (default: U stays an upper bound on max q.k over the whole group) or "mean".
     quest_reduction: str = "max"
-    # ArkVale decision rule (docs/algorithms.md): "recall" (default) = the top capacity//2 pages by digest
-    # (1 of 2 at the paper's budget) must be resident, missing ones are recalled and the lowest-ranked resident
-    # pages evicted, other resident pages stay; "topk" = keep the top `capacity` pages by digest each step.
-    arkvale_rule: str = "recall"
+    # ArkVale's attended pages (docs/algorithms.md, "arkvale"): "topk" (default, ArkVale's paper, §5.1) = the top
+    # C = ceil(selected / page_size) pages by digest attend at every step; "recall" (ablation) = the C pages are
+    # ArkVale's whole page cache, of which only the top max(1, C // 2) must be resident each step (1 of 2 at the
+    # paper's budget): missing ones are recalled, the lowest-ranked cached pages evicted, the others stay.
+    arkvale_rule: str = "topk"
     # ArkVale page ranking: "kv" = one ranking per KV head, mean over its G query heads (n_groups = Hkv,
     # default); "layer" = one ranking per layer shared by every head (ArkVale's code default n_groups = 1).
     arkvale_groups: str = "kv"

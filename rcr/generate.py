@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import attend, rcr_attention_enabled
-from .cache import PrefixLayer, PrefixStore, ResidentCache, ResidentLayer
+from .cache import PrefixLayer, PrefixStore, ResidentCache, ResidentLayer, tensors_in
 from .config import ConfigError, RCRConfig
 from .fused import available as fused_kernels_available
 from .methods import BuildContext, Full, Method, StepContext, parse_method
@@ -133,7 +133,7 @@ class GenerationResult:
     prefix_len: np.ndarray  # (B,) valid prefix entries (Np) per sample
     prefill_s: float
     decode_s: float
-    cost: dict = field(default_factory=dict)  # reads per KV head per refresh (cost model)
+    cost: dict = field(default_factory=dict)  # reads per KV head per refresh (cost model; a list: per sample)
     offload: bool = False  # decoded in offload mode (prefix store in host memory, reads only on a trigger)
 
     def sample(self, b: int) -> dict:
@@ -223,17 +223,22 @@ class Decoder:
         self.no_mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=dev)
         self.forward = self._forward
         if self.static:
+            # the step's own inputs live in fixed buffers too: token ids (B, 1), positions ((3,) B, 1), step (1,)
             self.session.step = torch.zeros(1, dtype=torch.long, device=dev)
-            for buf in self._persistent_tensors():  # CUDA graphs replay on fixed addresses
+            self.step_ids = self.tokens[:, :1].clone()
+            self.step_positions = self.adapter.positions(prefix.next_position, 1).clone()
+            for buf in self.static_tensors():  # CUDA graphs replay on fixed addresses
                 torch._dynamo.mark_static_address(buf)
             self.forward = torch.compile(self._forward, fullgraph=True, **compile_options(cfg.compile))
 
-    def _persistent_tensors(self) -> list[torch.Tensor]:
-        bufs = [self.session.step, self.no_mask]
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a compiled step reads or writes but the model's weights (its inputs, resident cache, telemetry,
+        prefix store, the method's state and cost model): static addresses, which a CUDA graph replays on."""
+        bufs = [self.session.step, self.no_mask, self.step_ids, self.step_positions]
         for layer in self.cache.layers:
             bufs += [layer.keys, layer.values, layer.slot_valid, layer.write_pos, layer.selection]
         bufs += [v for v in vars(self.tel).values() if isinstance(v, torch.Tensor)]
-        return bufs
+        return bufs + tensors_in(self.prefix) + tensors_in(self.state) + tensors_in(self.session.cost)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """One decode step of the model, every layer's decision included -> next-token logits (B, V)."""
@@ -243,11 +248,13 @@ class Decoder:
 
     def step(self) -> None:
         t = self.t
+        ids, positions = self.tokens[:, t : t + 1], self.adapter.positions(self.prefix.next_position + t, 1)
         if self.static:
             self.session.step.fill_(t)
+            ids, positions = self.step_ids.copy_(ids), self.step_positions.copy_(positions)
         else:
             self.session.step = t
-        logits = self.forward(self.tokens[:, t : t + 1], self.adapter.positions(self.prefix.next_position + t, 1))
+        logits = self.forward(ids, positions)
         if self.static:
             for layer in self.cache.layers:
                 layer.advance(1)
@@ -276,11 +283,10 @@ class Decoder:
         tokens = self.tokens.cpu()
         is_eos = torch.isin(tokens, self.eos.cpu())
         first_eos = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, torch.tensor(tokens.shape[1]))
+        cost = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in self.session.cost.items()}
         return GenerationResult(label=self.method.label, sequences=tokens, lengths=first_eos,
-                                telemetry=self.tel.to_host(),
-                                prefix_len=self.prefix.prefix_valid.sum(-1).cpu().numpy(),
-                                prefill_s=prefill_s, decode_s=decode_s, cost=self.session.cost,
-                                offload=self.offload)
+                                telemetry=self.tel.to_host(), prefix_len=self.prefix.prefix_valid.sum(-1).cpu().numpy(),
+                                prefill_s=prefill_s, decode_s=decode_s, cost=cost, offload=self.offload)
 
 
 def _sync(device) -> None:

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-FIELDS_FLOAT = ("drift", "tau", "trigger", "keys_read", "values_read", "detector_dots")
+FIELDS_FLOAT = ("drift", "tau", "trigger", "keys_read", "values_read", "detector_dots", "recalled")
 
 
 class Telemetry:
     """Device-side recorder. ``trigger`` holds the fraction of the layer's KV heads that refreshed
-    (exactly 0 or 1 with the default per-layer trigger); read counts are per KV head and count only reads a
-    refresh needs (the deployment accounting; GPU-only masked merges issue them every step).
+    (exactly 0 or 1 with the default per-layer trigger); read counts are per KV head, the trigger fraction times
+    the method's cost model: the reads a refresh needs (the deployment accounting; GPU-only masked merges issue
+    them every step). ``recalled``: a page-caching method's own recalls (ArkVale), NaN for the others.
 
     ``reselected`` (L,) says which layers have a selection at all: a sliding-window layer keeps its whole window
     and is never re-selected, so its ``trigger`` stays NaN (not 0) and refresh fractions are over the others."""
@@ -33,6 +34,7 @@ class Telemetry:
             setattr(self, name, self.decisions[i])
         self.drift.fill_(float("nan"))  # estimated drift (NaN: method has no detector)
         self.tau.fill_(float("nan"))
+        self.recalled.fill_(float("nan"))
         for layer, selects in enumerate(reselected or []):
             if not selects:
                 self.trigger[:, layer] = float("nan")
@@ -62,9 +64,10 @@ class Telemetry:
             self._nan if d.drift is None else d.drift,
             self._nan if d.tau is None else d.tau,
             frac,
-            frac * cost["keys_per_refresh"] if d.keys_read is None else d.keys_read,
-            frac * cost["values_per_refresh"] if d.values_read is None else d.values_read,
-            self._zero if d.detector_dots is None else d.detector_dots])
+            frac * cost["keys_per_refresh"],
+            frac * cost["values_per_refresh"],
+            self._zero if d.detector_dots is None else d.detector_dots,
+            self._nan if d.recalled is None else d.recalled])
         self.put(self.decisions, layer, step, row)
 
     def to_host(self) -> HostTelemetry:
@@ -81,6 +84,7 @@ class HostTelemetry:
     keys_read: np.ndarray
     values_read: np.ndarray
     detector_dots: np.ndarray
+    recalled: np.ndarray | None = None  # (B, L, T) a page-caching method's own recalls per KV head (ArkVale)
     drift_exact: np.ndarray | None = None
     top_prefix_pos: np.ndarray | None = None  # (B, L, T) int32, in the sample's own (unpadded) coordinates
     bytes_moved: np.ndarray | None = None  # (B, L, T) float64: host-to-device prefix bytes (offload mode)

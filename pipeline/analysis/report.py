@@ -30,9 +30,10 @@ def _fmt_num(x, digits=3) -> str:
 
 
 def _method_table(g: pd.DataFrame, conf: int) -> list[str]:
-    """One line per method: fidelity [CI], differences from bacon and rcr [CI], refresh, reads, tok/s, n, err."""
+    """One line per method: fidelity [CI], differences from bacon and rcr [CI], refresh, reads (and ArkVale's own
+    recalls), tok/s, n, err."""
     header = ["method", f"fidelity [{conf}% CI]", "vs bacon [CI]", "vs rcr [CI]", "refresh", "reads/step",
-              "tok/s", "n", "err"]
+              "recalled/step", "tok/s", "n", "err"]
     body = []
     for _, r in g.iterrows():
         body.append([
@@ -40,7 +41,8 @@ def _method_table(g: pd.DataFrame, conf: int) -> list[str]:
             _fmt_ci(r.fidelity, r.fidelity_ci_low, r.fidelity_ci_high),
             _fmt_ci(r.get("diff_bacon"), r.get("diff_bacon_ci_low"), r.get("diff_bacon_ci_high"), signed=True),
             _fmt_ci(r.get("diff_rcr"), r.get("diff_rcr_ci_low"), r.get("diff_rcr_ci_high"), signed=True),
-            _fmt_num(r.refresh_fraction), _fmt_num(r.reads_per_step, 1), _fmt_num(r.tokens_per_s, 1),
+            _fmt_num(r.refresh_fraction), _fmt_num(r.reads_per_step, 1), _fmt_num(r.get("recalled_per_step"), 1),
+            _fmt_num(r.tokens_per_s, 1),
             str(int(r.n)), str(int(r.n_errors)),
         ])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]

@@ -8,11 +8,19 @@ Each page's digest is ArkVale's "cuboid-mean" box (``InferState._summarize_keys`
 and a page's importance for query head j is I_p = sum_i max(q_ji b_max,i, q_ji b_min,i), averaged over the G
 query heads of a KV head (``config.arkvale_groups="kv"``) or over all query heads of the layer ("layer").
 
-The resident part is a paged cache of C = ceil(S / page_size) pages. ``config.arkvale_rule``: "recall" (each
-step the top max(1, C//2) pages must be resident: missing ones are recalled, the lowest-ranked resident pages
-evicted, the others stay; the paged cache starts empty at step 0) or "topk" (the top C pages each step).
-Reads are what ArkVale pays, the entries of recalled pages, so ``keys_read`` is measured (at most S), and the
-trigger records, per KV head, whether anything was recalled. Digests: 2 vectors per page on the device.
+Every step attends to C = ceil(S / page_size) pages, the S entries every method attends to. ArkVale keeps a page
+cache of c pages, of which the top k by digest must be resident each step: missing ones are recalled, the
+lowest-ranked cached pages evicted, the others stay. ``config.arkvale_rule``:
+
+- "topk" (default; the paper, §5.1: "The top-k pages ... must engage in attention computation"): the top k = C
+  pages attend, from a cache of c = 2C pages (k = c/2, its code's ``page_topks = budget // 2``);
+- "recall" (ablation): the C attended pages are the whole cache (c = C), of which only the top k = max(1, C//2)
+  must be resident; the others are whatever stayed.
+
+Reads are the cost model's, S keys and S values every step (what the RCR paper charges ArkVale). The entries of
+pages recalled into the cache, ArkVale's own traffic, are recorded apart (``Decision.recalled``). The cache
+starts empty at the first decode step (BACON's selection is not page aligned), which therefore fills it. No sink
+pages. Digests: 2 vectors per page on the device.
 """
 
 from __future__ import annotations
@@ -46,7 +54,9 @@ def cuboid_mean_digest(keys: torch.Tensor, layout: PageLayout) -> tuple[torch.Te
 class ArkValeState:
     layout: PageLayout
     digests: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (b_max, b_min), each (B, Hkv, P, d)
-    resident: list[torch.Tensor | None]  # per layer (B, Hkv, P) bool: pages in the paged cache
+    # per layer (B, Hkv, P) bool: the pages in ArkVale's page cache. Allocated here, empty, and rewritten in place,
+    # so a compiled step sees one tensor at one address from the first step on
+    cached: list[torch.Tensor]
     n_valid_pages: torch.Tensor  # (B,) float
 
 
@@ -56,8 +66,16 @@ class ArkVale(ScorerMethod):
 
     def init_state(self, prefix: PrefixStore) -> ArkValeState:
         layout = PageLayout.build(prefix, self.config.page_size)
-        digests = [cuboid_mean_digest(prefix.prefix_kv(layer)[0], layout) for layer in range(len(prefix.layers))]
-        return ArkValeState(layout, digests, [None] * len(prefix.layers), layout.page_valid.sum(-1).float())
+        L = len(prefix.layers)
+        digests = [cuboid_mean_digest(prefix.prefix_kv(layer)[0], layout) for layer in range(L)]
+        shape = (prefix.batch_size, prefix.n_kv_heads, layout.n_pages)
+        cached = [torch.zeros(shape, dtype=torch.bool, device=prefix.valid.device) for _ in range(L)]
+        return ArkValeState(layout, digests, cached, layout.page_valid.sum(-1).float())
+
+    def cache_pages(self, n_selected: int) -> tuple[int, int]:
+        """(c, k): pages in ArkVale's page cache, and how many of them must be the top pages by digest."""
+        C = n_pages_kept(n_selected, self.config.page_size)  # attended pages
+        return (2 * C, C) if self.config.arkvale_rule == "topk" else (C, max(1, C // 2))
 
     def page_scores(self, ctx: StepContext) -> torch.Tensor:
         """(B, Hkv, P) digest importance, -inf for pages a sample does not have."""
@@ -70,43 +88,28 @@ class ArkVale(ScorerMethod):
             s = s.mean(dim=(1, 2)).unsqueeze(1).expand_as(s[:, :, 0])  # one ranking per layer, shared
         return s.masked_fill(~st.layout.page_valid.unsqueeze(1), NEG_INF)
 
-    def score(self, ctx: StepContext) -> torch.Tensor:
-        """Entries of the pages the paged cache holds after this step, best page first; records them."""
+    def decide(self, ctx: StepContext) -> Decision:
+        """Updates the page cache; the attended entries (whole pages, best first) become the selection."""
         st = ctx.state
         layout = st.layout
         score = self.page_scores(ctx)
         B, H, P = score.shape
-        cap = n_pages_kept(ctx.resident.n_selected, layout.page_size)
+        c, k = self.cache_pages(ctx.resident.n_selected)
         valid = layout.page_valid.unsqueeze(1).expand(B, H, P)
-        if self.config.arkvale_rule == "recall":
-            # lexicographic priority: pages that must be resident, then pages already resident, then the rest;
-            # by digest score inside each tier
-            rank = score.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-            forced = (rank < max(1, cap // 2)) & valid
-            was = st.resident[ctx.layer]
-            kept = forced if was is None else forced | was
-            tier = forced.double() * 2 + (kept & ~forced).double()
-            key = tier * (P + 1) + (P - rank).double()
-            key = key.masked_fill(~valid, NEG_INF)
-        else:
-            key = score.double()
-        order = key.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-        st.resident[ctx.layer] = (order < cap) & valid
-        return page_order_scores(key, layout, ctx.prefix.prefix_valid)
+        rank = score.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # (B, H, P): 0 = best page
+        must = (rank < k) & valid
+        was = st.cached[ctx.layer]
+        # lexicographic priority: pages that must be resident, then pages already cached, then the rest (they fill
+        # an empty cache); by digest inside each tier. The cache keeps the first c.
+        tier = must.double() * 2 + (was & ~must).double()
+        key = (tier * (P + 1) + (P - rank).double()).masked_fill(~valid, NEG_INF)
+        now = (key.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1) < c) & valid
+        entered = (now & ~was).float()  # (B, H, P) pages recalled into the cache at this step
+        recalled = (entered * layout.page_len.unsqueeze(1).float()).sum(-1).mean(-1)  # (B,) entries per KV head
+        was.copy_(now)
+        attended = score if self.config.arkvale_rule == "topk" else key  # the top C pages, or the cache
+        d = self.decision(ctx, page_order_scores(attended, layout, ctx.prefix.prefix_valid))
+        return dataclasses.replace(d, recalled=recalled)
 
     def detector_dots(self, ctx: StepContext) -> torch.Tensor:
         return 2.0 * ctx.state.n_valid_pages
-
-    def decide(self, ctx: StepContext) -> Decision:
-        """The base's top-S decision, with ArkVale's accounting: only recalled entries are read, and the
-        trigger (per KV head) says whether anything was recalled."""
-        p, res = ctx.prefix, ctx.resident
-        d = super().decide(ctx)
-        sel = d.selection
-        B, H, Np = *sel.shape[:2], p.n_prefix
-        # recalls: selected entries that were not resident before this step (the only prefix reads)
-        was_in = torch.zeros(B, H, Np, dtype=torch.bool, device=sel.device).scatter_(2, res.selection, True)
-        tok_valid = torch.gather(p.prefix_valid.unsqueeze(1).expand(B, H, Np), 2, sel)
-        recalled = (tok_valid & ~torch.gather(was_in, 2, sel)).sum(-1)  # (B, Hkv)
-        reads = recalled.float().mean(-1)  # (B,) per KV head
-        return dataclasses.replace(d, trigger=recalled > 0, keys_read=reads, values_read=reads)

@@ -7,8 +7,9 @@
   (``ResidentLayer.refresh``) and records telemetry. Static methods do not override it.
 - ``score``, for a ``ScorerMethod`` (``scorer.py``: top-S re-selection at every layer-step, ``exact``,
   ``quest``, ``arkvale``, ``infinigen``): scores over the prefix; that base turns them into the decision.
-- ``cost_model``: prefix reads per KV head per refresh, read once per decode by the decoder (telemetry
-  counts them per layer-step) and reported as ``GenerationResult.cost``.
+- ``cost_model``: prefix reads per KV head per refresh, read once per decode by the decoder and reported as
+  ``GenerationResult.cost``. The telemetry counts a layer-step's reads as its refresh fraction times these, for
+  every method (docs/algorithms.md, "Cost per decode step").
 
 A decision is tensors only: no ``.item()``, no Python ``if`` on a tensor, so a decode step never waits
 for the device.
@@ -45,11 +46,9 @@ class Decision:
     # them from the prefix store (GPU-only mode)
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
-    # (B,) measured prefix reads of this layer-step per KV head (mean over KV heads); None = trigger fraction
-    # times the cost model's reads per refresh (set for methods whose reads depend on the data, e.g. ArkVale's
-    # page recalls)
-    keys_read: torch.Tensor | None = None
-    values_read: torch.Tensor | None = None
+    # (B,) entries per KV head (mean over KV heads) that a method with its own page cache recalled into it at
+    # this layer-step (ArkVale): its own traffic, recorded beside the reads of the cost model, never instead
+    recalled: torch.Tensor | None = None
 
 
 @dataclass
@@ -134,7 +133,8 @@ class Method:
         resident.refresh(decision.trigger, decision.selection, decision.keys, decision.values)
 
     def cost_model(self, prefix: PrefixStore, state: Any) -> dict:
-        """Prefix reads per KV head per refresh (``keys_per_refresh``, ``values_per_refresh``; the merge in
-        GPU-only mode issues them every step), plus any method-specific entries. ``state``: ``init_state``'s."""
+        """Prefix reads per KV head per refresh (``keys_per_refresh``, ``values_per_refresh``: a number, or a (B,)
+        device tensor where they differ by sample; the merge in GPU-only mode issues them every step), plus any
+        method-specific entries. ``state``: ``init_state``'s."""
         return {"keys_per_refresh": 0, "values_per_refresh": 0}
 

@@ -1,7 +1,8 @@
 """``exact``: exact top-S re-selection over the whole prefix at every layer and step (docs/algorithms.md,
 "exact").
 
-The upper bound for re-selection; its cost is a full prefix scan (Np key reads per KV head per step).
+The upper bound for re-selection; its cost is a full prefix scan (Np key reads per KV head per step, Np the
+sample's own valid prefix entries).
 """
 
 from __future__ import annotations
@@ -35,4 +36,5 @@ class Exact(ScorerMethod):
         return reduce_heads(lg, valid, cfg.head_reduction, norm)
 
     def cost_model(self, prefix, state) -> dict:
-        return {"keys_per_refresh": prefix.n_prefix, "values_per_refresh": self.n_selected(prefix)}
+        # the scan reads each sample's own valid prefix entries, (B,) on the device: not its batch's padded length
+        return {"keys_per_refresh": prefix.prefix_valid.sum(-1).float(), "values_per_refresh": self.n_selected(prefix)}

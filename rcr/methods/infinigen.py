@@ -107,9 +107,12 @@ class InfiniGen(ScorerMethod):
     @contextlib.contextmanager
     def decode_hooks(self, model, state: InfiniGenState):
         """Forward pre-hooks on every text layer's self-attention: keep its normalised input and the position
-        embeddings of the current step. Removed on exit; nothing is kept at module level."""
+        embeddings of the current step; a forward hook on the last layer forgets them, so every step starts from
+        the same (empty) state, which a compiled step can rely on. Removed on exit; nothing is kept at module
+        level."""
         handles = []
-        for i, layer in enumerate(_text_layers(model)):
+        layers = _text_layers(model)
+        for i, layer in enumerate(layers):
             state.attn[i] = layer.self_attn
 
             def capture(module, args, kwargs, i=i):
@@ -117,6 +120,12 @@ class InfiniGen(ScorerMethod):
                 state.position_embeddings = kwargs.get("position_embeddings")
 
             handles.append(layer.self_attn.register_forward_pre_hook(capture, with_kwargs=True))
+
+        def forget(module, args, output):
+            state.inputs.clear()
+            state.position_embeddings = None
+
+        handles.append(layers[-1].register_forward_hook(forget))
         try:
             yield
         finally:

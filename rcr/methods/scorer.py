@@ -19,8 +19,9 @@ from .base import Decision, Method, StepContext
 class ScorerMethod(Method):
     """Top-S re-selection at every decode layer-step, defined by a score over the prefix (kvpress's
     ``ScorerPress`` pattern): a method overrides ``score`` and, where it keeps a device-resident summary of
-    the prefix, ``detector_dots``. The base sets the trigger everywhere, takes the top S and reads the
-    selected entries' S keys and S values per refresh."""
+    the prefix, ``detector_dots``; a method whose scoring has a by-product to record (ArkVale's page cache)
+    overrides ``decide`` and builds its decision with ``decision``. The base sets the trigger everywhere, takes
+    the top S and reads the selected entries' S keys and S values per refresh."""
 
     reselects: ClassVar[bool] = True
 
@@ -35,7 +36,10 @@ class ScorerMethod(Method):
         return None
 
     def decide(self, ctx: StepContext) -> Decision:
-        scores = self.score(ctx)
+        return self.decision(ctx, self.score(ctx))
+
+    def decision(self, ctx: StepContext, scores: torch.Tensor | None) -> Decision:
+        """The top-S refresh of ``scores`` (B, Hkv, Np) under an all-true trigger; None: no refresh."""
         if scores is None:
             off = torch.zeros(ctx.prefix.batch_size, dtype=torch.bool, device=ctx.resident.selection.device)
             return Decision(trigger=off, selection=None)

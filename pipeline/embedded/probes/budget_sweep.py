@@ -113,7 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--selected", default="16,32,64", help="comma-separated budgets of selected prefix entries")
-    ap.add_argument("--methods", default="bacon,prefill_oracle,exact,fixed,rcr", help="compared against full")
+    ap.add_argument("--methods", default="bacon,prefill_oracle,exact,fixed,rcr,quest,arkvale",
+                    help="compared against full")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--whole-layers", default="", help="ablation: comma-separated layers that attend to the whole "
                     "prefix in every method (default: none)")

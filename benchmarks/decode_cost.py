@@ -48,7 +48,7 @@ from rcr import RCRConfig  # noqa: E402
 from rcr.cache import PrefixLayer, PrefixStore  # noqa: E402
 from rcr.embedded import model_dir  # noqa: E402
 from rcr.generate import DecodeSession, build_cache, compile_options  # noqa: E402
-from rcr.methods import parse_method  # noqa: E402
+from rcr.methods import RCR, parse_method  # noqa: E402
 from rcr.telemetry import Telemetry  # noqa: E402
 
 HQ, HKV, D = 28, 4, 128  # Qwen2-VL-7B attention
@@ -153,7 +153,7 @@ def layer_mode(args, device, dtype, sync) -> None:
     cfg = RCRConfig(compile=args.compile)  # checks the --compile value, as model mode does
     methods = selected_methods(LAYER_METHODS, args.methods, device)
     print(f"layer mode: {HQ} q heads, {HKV} KV heads, head dim {D}; device {device}, {dtype}; selected "
-          f"{cfg.selected} + window {cfg.window}, candidates {cfg.candidates}, rank {cfg.rank}; "
+          f"{cfg.selected} + window {cfg.window}, candidates {RCR().candidates}, rank {RCR().rank}; "
           f"{args.settle} settle + {args.steps} timed layer-steps per method" +
           (f"; every method but full(gqa) compiled whole (mode {args.compile})" if args.compile else ""))
     print(f"{'Np':>7} {'method':>10} {'ms/layer-step':>14} {'x full':>7} {'x bacon':>8} {'refresh r':>9} "

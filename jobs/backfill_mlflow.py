@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import pandas as pd
 
-    from pipeline.analysis import mlflow_store, report, tracking
+    from pipeline.analysis import mlflow_client, mlflow_store, report, tracking
     from pipeline.analysis.analyze import analyze
     from pipeline.run.config import default_tracking_uri
 
@@ -101,11 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         part = df[df["config_hash"].astype(str) == ch] if ch else df
         cfg = dict(configs.get(ch) or top or {})
         if not cfg:
-            cfg = {"job_name": tracking.joined_unique(part, "job_name"), "model": tracking.joined_unique(part, "model")}
+            cfg = {"job_name": mlflow_client.joined_unique(part, "job_name"),
+                   "model": mlflow_client.joined_unique(part, "model")}
         cfg.setdefault("config_hash", ch)
         uri = tracking.resolve_tracking_uri(args.tracking_uri or cfg.get("mlflow_uri") or default_tracking_uri())
         exp = args.experiment or cfg.get("experiment") or tracking.DEFAULT_EXPERIMENT
-        job_name = cfg.get("job_name") or tracking.joined_unique(part, "job_name") or out.name
+        job_name = cfg.get("job_name") or mlflow_client.joined_unique(part, "job_name") or out.name
         n_res = args.bootstrap_resamples or int(cfg.get("bootstrap_resamples", 10_000))
         seed = args.seed if args.seed is not None else int(cfg.get("bootstrap_seed", 0) or 0)
         print(f"[backfill] {out}: config {ch or '?'}: {len(part)} rows, "

@@ -47,16 +47,16 @@ def layer_probes(model_name: str, layout: str, n: int, threads: int):
 
     from embedded.probes.common import held_out_answers
     from pipeline.diagnose import attention, detector
-    from rcr import RCRConfig
+    from rcr.methods import RCR
     from rcr.models import geometry, load
 
     torch.set_num_threads(threads)
     model, processor = load(model_name)
     model.set_attn_implementation("eager")
     answers = held_out_answers(model, processor, "detailcaps", layout, n, TASKS["detailcaps"].max_new_tokens)
-    cfg = RCRConfig()
+    rcr_ = RCR()  # the paper's budget, detector and candidates
     context = answers[0].inputs["input_ids"].shape[1] + TASKS["detailcaps"].max_new_tokens - 1
-    return attention.profile(model, answers, cfg.selected), detector.probe(model, answers, cfg), \
+    return attention.profile(model, answers, rcr_.config.selected), detector.probe(model, answers, rcr_), \
         geometry(model).reselected(context)
 
 

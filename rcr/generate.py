@@ -45,7 +45,6 @@ class _PrefillRecorder:
 def prefill(model, inputs, config: RCRConfig | None = None) -> PrefixStore:
     config = config or RCRConfig()
     geo = geometry(model)
-    config.check_model(geo.head_dim)
     adapter = adapter_for(model)
     inputs = inputs.to(model.device)
     position_ids, next_position = adapter.prefill_positions(model, inputs)
@@ -186,7 +185,8 @@ class Decoder:
     def __init__(self, model, prefix: PrefixStore, method: Method, max_new_tokens: int, eos_token_id=None,
                  pad_token_id: int = 0, reference_scores=None):
         if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+            raise ConfigError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+        method.check_model(prefix.head_dim)
         self.model, self.prefix, self.method = model, prefix, method
         self.adapter = adapter_for(model)
         self.max_new_tokens = max_new_tokens
@@ -360,7 +360,7 @@ def _token_ids(model, eos_token_id, pad_token_id):
 
 
 @torch.no_grad()
-def generate(model, inputs, method: str | list[str] = "rcr", max_new_tokens: int = 512,
+def generate(model, inputs, method: str | Method | list[str | Method] = "rcr", max_new_tokens: int = 512,
              config: RCRConfig | None = None, eos_token_id: int | list[int] | None = None,
              pad_token_id: int | None = None, ignore_eos: bool = False):
     """Greedy generation with one method (returns a :class:`GenerationResult`) or several (returns a dict
@@ -368,17 +368,28 @@ def generate(model, inputs, method: str | list[str] = "rcr", max_new_tokens: int
     always when a method needs the uncompressed answer (``prefill_oracle``).
 
     ``inputs``: the processor's output for a left-padded batch (``input_ids``, ``attention_mask``, pixel
-    values, grids...). Method labels and the config are validated before any model work.
+    values, grids...). ``method``: labels (``"rcr"``, ``"rcr@rho=0.3"``, ``"fixed@0.05"``) built with ``config``,
+    or Method instances (prepared ones, e.g. InfiniGen after ``prepare``), keyed by their labels. Labels, knobs
+    and the config are validated before any model work.
     """
-    config = config or RCRConfig()
-    labels = [method] if isinstance(method, str) else list(method)
+    single = isinstance(method, (str, Method))
+    given = [method] if single else list(method)
+    config = config or next((m.config for m in given if isinstance(m, Method)), None) or RCRConfig()
+    parsed = [parse_method(m, config) for m in given]
+    labels = [m.label for m in parsed]
     if not labels:
-        raise ConfigError("method=[]: give at least one method")
+        raise ConfigError("method", "give at least one method, got []")
     if len(set(labels)) != len(labels):
-        raise ConfigError(f"method={labels}: duplicate labels")
-    methods = {label: parse_method(label, config) for label in labels}
+        raise ConfigError("method", f"duplicate labels in {labels}")
+    methods = dict(zip(labels, parsed))
     if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        raise ConfigError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+    head_dim = geometry(model).head_dim
+    for m in parsed:
+        if m.config != config:
+            raise ConfigError("method", f"{m.label!r} was built with another RCRConfig than the one given: the "
+                                        "prefill and every method share one")
+        m.check_model(head_dim)
     eos, pad = _token_ids(model, [] if ignore_eos else eos_token_id, pad_token_id)
 
     t0 = time.perf_counter()
@@ -395,4 +406,4 @@ def generate(model, inputs, method: str | list[str] = "rcr", max_new_tokens: int
     for label, m in methods.items():
         if label != "full":
             results[label] = decode(model, prefix, m, max_new_tokens, eos, pad, reference, prefill_s=prefill_s)
-    return results[labels[0]] if isinstance(method, str) else {label: results[label] for label in labels}
+    return results[labels[0]] if single else {label: results[label] for label in labels}

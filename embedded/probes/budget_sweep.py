@@ -96,6 +96,31 @@ def quest_first_page(counts: dict[int, list[float]]):
         Quest.score = score
 
 
+def labels_for(methods: list[str], settings: dict) -> tuple[dict[str, str], dict]:
+    """Each method's label with the settings that are its own knobs (by field name or job key, e.g. ``rule`` or
+    ``arkvale_rule``), and the shared RCRConfig settings. A setting that is neither is an error."""
+    import dataclasses
+
+    from rcr import RCRConfig
+    from rcr.methods import METHODS
+    from rcr.methods.knobs import knob_fields
+
+    shared = {f.name for f in dataclasses.fields(RCRConfig)}
+    labels, config, used = {}, {}, set()
+    for m in methods:
+        fields = {f.metadata.get("key") or f.name: f.name for f in knob_fields(METHODS[m]).values()}
+        fields.update({name: name for name in fields.values()})
+        own = {fields[k]: v for k, v in settings.items() if k in fields}
+        used.update(k for k in settings if k in fields)
+        labels[m] = m + ("@" + ",".join(f"{k}={v}" for k, v in own.items()) if own else "")
+    for k, v in settings.items():
+        if k in shared:
+            config[k] = v
+        elif k not in used:
+            raise SystemExit(f"--set {k}=...: neither an RCRConfig field nor a knob of {', '.join(methods)}")
+    return labels, config
+
+
 def parse_setting(text: str) -> tuple[str, object]:
     field, sep, value = text.partition("=")
     if not sep or not field:
@@ -119,7 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--whole-layers", default="", help="ablation: comma-separated layers that attend to the whole "
                     "prefix in every method (default: none)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="an RCRConfig field for every run (repeatable; the value is read as JSON, else as text)")
+                    help="an RCRConfig field, or a method's knob (its field or job name, e.g. arkvale_rule=recall), "
+                         "for every run (repeatable; the value is read as JSON, else as text)")
     ap.add_argument("--page-sizes", default=None, help="comma-separated page sizes of quest and arkvale "
                     "(default: the config's); with quest, also how often it keeps the prompt's first page")
     args = ap.parse_args(argv)
@@ -136,15 +162,18 @@ def main(argv=None) -> int:
     for k in [int(x) for x in args.selected.split(",")]:
         for page in pages:
             t0 = time.time()
-            rcr_cfg = {"selected": k, "candidates": max(128, 4 * k), **overrides, "exact_drift": True}
-            if page is not None:
-                rcr_cfg["page_size"] = page
-            cfg = JobConfig.from_dict(dict(task="detailcaps", model=args.model, methods=methods, device="cpu",
-                                           batch_size=args.batch_size, torch_threads=args.threads, rcr=rcr_cfg))
+            settings = {"candidates": max(128, 4 * k), **({"page_size": page} if page is not None else {}),
+                        **overrides}
+            labels, shared = labels_for(methods, settings)
+            rcr_cfg = {"selected": k, **shared, "exact_drift": True}
+            cfg = JobConfig.from_dict(dict(task="detailcaps", model=args.model, methods=list(labels.values()),
+                                           device="cpu", batch_size=args.batch_size, torch_threads=args.threads,
+                                           rcr=rcr_cfg))
             first_page: dict[int, list[float]] = {}
             with whole_layers(whole), quest_first_page(first_page):
                 rows = evaluate_task(cfg, "detailcaps", args.samples, S.HELDOUT_SEED, args.layout,
                                      log=lambda *a, **k: None)
+            rows = rows.assign(method=rows["method"].map({v: n for n, v in labels.items()}))  # the plain names
             a = analyze(rows, reference_metrics=False)
             drift = rows.groupby("method")["mean_drift_exact"].mean()
             label = "" if page is None else f"{page:>4}  "

@@ -129,8 +129,9 @@ def test_default_budget_is_in_the_papers_regime(shipped):
     samples = [S.render("detailcaps", S.HELDOUT_SEED, i) for i in range(3)]
     frames = [[Image.fromarray(f) for f in s[0]] for s in samples]
     inputs = rcr.models.build_inputs(processor, [TASKS["detailcaps"].prompt] * 3, frames)
-    res = rcr.generate(model, inputs, method=["full", "bacon", "exact"], max_new_tokens=TASKS[
-        "detailcaps"], config=rcr.RCRConfig(record_attention=True))  # record_attention: full's top positions
+    res = rcr.generate(model, inputs, method=["full", "bacon", "exact"],
+                       max_new_tokens=TASKS["detailcaps"].max_new_tokens,
+                       config=rcr.RCRConfig(record_attention=True))  # record_attention: full's top positions
     assert res["full"].prefix_len.min() >= 8 * rcr.RCRConfig().selected
 
     def fidelity(label):
@@ -168,15 +169,15 @@ def test_detector_probe_measures_what_the_candidate_pass_keeps(shipped):
     ranking gives a kept entry its exact logit, so this is what a refresh could bring back once it is evicted."""
     from embedded.probes.common import held_out_answers
     from pipeline.diagnose.detector import probe
-    from rcr.config import RCRConfig
+    from rcr.methods import RCR
 
     model, processor = shipped
     answers = held_out_answers(model, processor, "detailcaps", S.DEFAULT_LAYOUT, 1, 64)
-    every = probe(model, answers, RCRConfig(candidates=400))
+    every = probe(model, answers, RCR(candidates=400))
     for heads in every[1:]:  # layer 0 is the local layer
         for r in heads:
             assert r["recall"] == pytest.approx(1.0) and r["cand"] == 1.0, every
-    default = probe(model, answers, RCRConfig())
+    default = probe(model, answers, RCR())
     layer1 = default[1]
     assert all(r["top"] == 1 and r["mass"] > 0.5 for r in layer1), layer1  # the sink is what layer 1 reads
     outside = min(layer1, key=lambda r: r["in_basis"])  # the head whose basis holds least of the sink's key

@@ -17,7 +17,8 @@ from PIL import Image
 
 from jobs import prepare_data
 from pipeline.data import convert, images, shards
-from pipeline.run import driver
+from pipeline.run import inputs
+from pipeline.run import plan as planning
 from pipeline.run.config import ConfigError, JobConfig
 from pipeline.run.store import OutputStore
 from pipeline.tasks import TASKS
@@ -166,7 +167,7 @@ def test_job_dataset_from_a_local_copy_is_converted_once(tmp_path, monkeypatch):
 
     def plan(spec):
         cfg = JobConfig.from_args(["--dataset", spec, "--output-dir", str(tmp_path / "out")], task="textcaps")
-        paths, p = driver.plan_job(cfg, OutputStore(cfg.output_dir), driver.scan_inputs(cfg))
+        paths, p = planning.plan_job(cfg, OutputStore(cfg.output_dir), inputs.scan_inputs(cfg))
         return paths, [r.sample_id for r in p.rows]
 
     paths, ids = plan(str(tmp_path / "tc"))

@@ -20,7 +20,7 @@ def test_help_gives_every_flag_a_text_and_its_real_default():
             continue
         assert a.help and "(default: " in a.help, f"{a.option_strings[0]} has no help text with its default"
     helps = {a.dest: a.help for a in p._actions}
-    assert "(default: all)" in helps["methods"] and "(default: textcaps 64)" in helps["max_new_tokens"]
+    assert "(default: all: full, bacon," in helps["methods"] and "(default: textcaps 64)" in helps["max_new_tokens"]
     assert f"(default: sqlite:///{default_runs_root() / 'mlflow.db'})" in helps["mlflow_uri"]
     assert f"(default: {default_runs_root()}/<job name>)" in helps["output_dir"]
 

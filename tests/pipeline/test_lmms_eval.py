@@ -146,15 +146,17 @@ def test_padded_batch_matches_batch_one(task_dir, rcr_batch1):
 
 
 @pytest.mark.parametrize("args, named", [
-    ("method=bogus", "method='bogus'"),
-    ("method=fixed@x", "method='fixed@x'"),
+    ("method=bogus", "'bogus': unknown method"),
+    ("method=fixed@x", "'fixed@x'"),
     ("method=rcr,selectd=3", "selectd"),
-    ("method=rcr,rank=0", "RCRConfig.rank"),
+    ("method=rcr,rank=0", "field 'rcr.rank'"),  # a knob of the method, given as its own model arg
+    ("method=rcr@rho=2", "field 'rcr.rho'"),  # ... or in its label
     ("method=rcr,tau0=high", "tau0"),
+    ("method=rcr,window=-1", "field 'RCRConfig.window'"),
     ("method=rcr,batch_size=auto", "batch_size"),
     ("method=rcr,dtype=float8", "dtype"),
     ("method=rcr,device=gpu0", "device"),
-    ("method=infinigen,pretrained=Qwen/Qwen2-VL-2B-Instruct", "infinigen_calibration"),
+    ("method=infinigen,pretrained=Qwen/Qwen2-VL-2B-Instruct", "infinigen.calibration"),
 ])
 def test_bad_model_args_fail_in_one_line(args, named):
     """Through lmms-eval's own construction path (the evaluator's), before the model loads."""

@@ -20,13 +20,13 @@ def test_defaults_resolve_absolute_paths(tmp_path, monkeypatch):
 
 def test_flags_override_yaml(tmp_path):
     y = tmp_path / "job.yaml"
-    y.write_text("methods: [full, rcr, bacon]\nbatch_size: 3\nlimit: 7\nrcr: {rho: 0.5}\n")
+    y.write_text("methods: [full, rcr, bacon]\nbatch_size: 3\nlimit: 7\nrcr: {selected: 16}\n")
     cfg = JobConfig.from_args(["--config", str(y), "--batch-size", "5", "--output-dir", "rel/out",
                                "--mlflow-uri", "sqlite:///m.db"], task="textcaps")
     assert cfg.batch_size == 5 and cfg.limit == 7 and cfg.methods == ["full", "rcr", "bacon"]
     assert cfg.output_dir.startswith("/") and cfg.output_dir.endswith("rel/out")
     assert cfg.mlflow_uri.startswith("sqlite:////")
-    assert cfg.rcr.get("rho") == 0.5
+    assert cfg.rcr.get("selected") == 16
 
 
 @pytest.mark.parametrize("argv, field", [
@@ -36,7 +36,9 @@ def test_flags_override_yaml(tmp_path):
     (["--batch-size", "0"], "batch_size"),
     (["--num-actors", "0"], "num_actors"),
     (["--limit", "-3"], "limit"),
-    (["--rcr", "rho=7"], "rcr"),
+    (["--rcr", "selected=-1"], "rcr.selected"),
+    (["--rcr", "rho=0.5"], "rcr.rho"),  # a method's knob: refused with where it goes
+    (["--methods", "rcr@rho=7"], "methods"),
 ])
 def test_bad_values_name_the_field(argv, field):
     with pytest.raises(ConfigError) as e:
@@ -99,11 +101,13 @@ def test_config_hash_follows_a_local_models_weights(tmp_path):
 def test_help_lists_every_registered_method():
     from pipeline.run.cli import build_arg_parser
     from rcr.methods import METHODS
+    from rcr.methods.knobs import knob_fields
 
     text = " ".join(build_arg_parser("detailcaps").format_help().split())  # undo argparse's line wrapping
-    for name in METHODS:
-        assert f" {name}," in text or f" {name};" in text, name
-    assert "fixed@TAU" in text
+    for name, cls in METHODS.items():  # listed in --methods' default, and with its own fields in the epilog
+        assert f" {name}," in text or f" {name})" in text, name
+        assert all(f"{f}=" in text for f in knob_fields(cls)), name
+    assert "fixed@TAU" in text and "NAME@FIELD=VALUE" in text
 
 
 def test_all_methods_expands_to_the_core_registry():

@@ -18,7 +18,7 @@ from pipeline.analysis.labels import order_methods
 from pipeline.analysis.report import minimal_summary
 from pipeline.analysis.telemetry import as_2d
 from pipeline.data.images import decode_image, load_sample_images
-from pipeline.run import config, store
+from pipeline.run import config, inputs
 from rcr.generate import GenerationResult
 from rcr.telemetry import HostTelemetry
 from tests.fake_output import make_output_frame
@@ -139,13 +139,13 @@ def test_one_arrow_type_check(tmp_path):
     assert schema.validate_input_table(t).schema.equals(schema.INPUT_SCHEMA)
     path = tmp_path / "s.parquet"
     pq.write_table(t, path)
-    store.check_shard_schema(str(path))  # the type written back by Parquet: accepted too
+    inputs.check_shard_schema(str(path))  # the type written back by Parquet: accepted too
     bad = pa.table({**good, "references": pa.array([[1]], pa.list_(pa.int64()))})
     with pytest.raises(schema.SchemaError, match="'references' has type"):
         schema.validate_input_table(bad)
     pq.write_table(bad, path)
     with pytest.raises(config.ConfigError, match="'references' has type"):
-        store.check_shard_schema(str(path))
+        inputs.check_shard_schema(str(path))
     assert not schema.type_matches(pa.list_(pa.string()), pa.string())
     assert not schema.type_matches(pa.list_view(pa.binary()), pa.list_(pa.binary()))
 

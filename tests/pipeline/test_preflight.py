@@ -67,11 +67,11 @@ def test_every_family_saved_as_a_checkpoint_passes_and_loads(family, saved):
     model, proc = load(path)
     inputs = build_inputs(proc, [tiny_models.random_prompt(0, 5), tiny_models.random_prompt(1, 9)],
                           [[tiny_models.random_image(0, 112)], [tiny_models.random_image(1, 112)]])
-    res = rcr.generate(model, inputs, method=["full", "rcr"], max_new_tokens=4, ignore_eos=True,
-                       config=rcr.RCRConfig(selected=4096, candidates=4096, window=8))
+    res = rcr.generate(model, inputs, method=["full", "rcr@candidates=4096"], max_new_tokens=4, ignore_eos=True,
+                       config=rcr.RCRConfig(selected=4096, window=8))
     ref = model.generate(**inputs, max_new_tokens=4, do_sample=False, eos_token_id=None)
     assert torch.equal(res["full"].sequences, ref[:, inputs["input_ids"].shape[1]:])
-    assert torch.equal(res["rcr"].sequences, res["full"].sequences)
+    assert torch.equal(res["rcr@candidates=4096"].sequences, res["full"].sequences)
 
 
 def test_a_hub_id_in_the_local_cache_resolves_to_its_snapshot(saved, tmp_path):

@@ -52,12 +52,12 @@ def child(n: int, work: Path, batch_size: int, inline: bool) -> None:
         inline_driver.install()
     os.environ.setdefault("RCR_RUNS_DIR", str(work / "runs"))
     from pipeline.run import driver
-    from pipeline.run.config import JobConfig
+    from pipeline.run.cli import job_config
 
     model = work / "fake-model"
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text('{"model_type": "qwen2_vl"}')
-    cfg = JobConfig.from_args(["--model", str(model), "--shards", str(work / f"shards-{n}"), "--methods", METHODS,
+    cfg = job_config(["--model", str(model), "--shards", str(work / f"shards-{n}"), "--methods", METHODS,
                                "--engine", "tests.pipeline_helpers:FakeEngine", "--batch-size", str(batch_size),
                                "--output-dir", str(work / f"out-{n}"), "--no-summary", "--progress-every-s", "30",
                                "--mlflow-uri", f"sqlite:///{work / 'mlflow.db'}"], task="detailcaps")

@@ -30,6 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pipeline.run.cli import job_config  # noqa: E402
 from pipeline.run.config import ConfigError, JobConfig  # noqa: E402
 from pipeline.run.placement import Node, plan_actors  # noqa: E402
 
@@ -120,7 +121,7 @@ def entrypoint_config(entrypoint: str) -> JobConfig:
     task = Path(argv[1]).stem if len(argv) > 1 else ""
     if argv[0] != "python" or task not in JOBS or not (REPO / argv[1]).is_file():
         raise ConfigError("entrypoint", f"expected 'python jobs/<{'|'.join(JOBS)}>.py ...', got {entrypoint!r}")
-    return JobConfig.from_args(argv[2:], task=task)
+    return job_config(argv[2:], task=task)
 
 
 def resource_errors(doc: dict) -> list[str]:

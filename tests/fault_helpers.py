@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from pipeline.run import driver
-from pipeline.run.config import JobConfig
+from pipeline.run.cli import job_config
 from tests import inline_driver
 from tests.pipeline_helpers import PY, REPO, fake_model_dir, synthetic_records, write_shard
 
@@ -42,7 +42,7 @@ def run_inline(argv: list[str]) -> dict:
     mp = pytest.MonkeyPatch()
     try:
         inline_driver.install(mp.setattr)
-        return driver.run(JobConfig.from_args(argv, task="detailcaps"))
+        return driver.run(job_config(argv, task="detailcaps"))
     finally:
         mp.undo()
 

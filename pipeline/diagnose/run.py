@@ -27,6 +27,7 @@ from pipeline.diagnose import premises
 from pipeline.quiet import say
 from pipeline.run import driver
 from pipeline.run.cli import build_arg_parser
+from pipeline.run.cli import job_config as parse_job
 from pipeline.run.config import ConfigError, JobConfig, model_slug
 from pipeline.run.inputs import scan_inputs
 from pipeline.run.store import OutputStore
@@ -74,11 +75,11 @@ def job_config(argv: list[str] | None) -> tuple[JobConfig, int]:
     if ns.probe_samples < 0:
         raise ConfigError("probe_samples", f"must be >= 0, got {ns.probe_samples}")
     rest = _without(argv, "--probe-samples")
-    user = JobConfig.from_args(rest)  # the user's flags alone: task, model, methods
+    user = parse_job(rest)  # the user's flags alone: task, model, methods
     methods = list(dict.fromkeys([*METHODS, *(user.methods if ns.methods else [])]))
     defaults = ["--limit", str(DEFAULT_LIMIT), "--no-summary", "--job-name",
                 f"diagnose-{user.task}-{model_slug(user.model)}", "--rcr", "exact_drift=true"]
-    return JobConfig.from_args(defaults + _without(rest, "--methods") + ["--methods", ",".join(methods)]), \
+    return parse_job(defaults + _without(rest, "--methods") + ["--methods", ",".join(methods)]), \
         ns.probe_samples
 
 

@@ -1,5 +1,6 @@
 """The job's command line (``python jobs/eval.py --help``), generated from :class:`JobConfig`'s field metadata: one
-flag per field that has a ``--help`` group, in that group, stating its real default.
+flag per field that has a ``--help`` group, in that group, stating its real default; :func:`job_config` parses it
+(with ``--config file.yaml``) into a validated config.
 
 Flags default to None so that a ``--config`` file's values win over unset flags. ``--engine`` (the model backend,
 ``module:Class``: the tests' fake engines) is accepted but not listed.
@@ -9,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
+from typing import Any
 
+from pipeline.run import checks
 from pipeline.run.config import WHAT, JobConfig, default_runs_root
 from pipeline.tasks import TASKS
+from rcr.config import ConfigError
 
 GROUPS = ("what to run", "where results go", "resources", "faults and input limits")
 TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
@@ -91,3 +96,29 @@ def build_arg_parser(task: str | None = None) -> argparse.ArgumentParser:
             _add(groups[group], f, task, runs)
     groups[WHAT].add_argument("--config", help="YAML file of JobConfig fields; flags override it (default: none)")
     return p
+
+
+def job_config(argv: list[str] | None = None, *, task: str | None = None) -> JobConfig:
+    """The validated config of a job's command line (flags, and ``--config file.yaml``, which flags override);
+    ``task`` is the entry point's fixed task."""
+    ns = build_arg_parser(task).parse_args(argv)
+    overrides = {k: v for k, v in vars(ns).items() if k != "config" and v is not None}
+    if "rcr" in overrides:
+        overrides["rcr"] = checks.parse_kv_list(overrides["rcr"])
+    if task is not None:
+        overrides.setdefault("task", task)
+    base: dict[str, Any] = {}
+    if ns.config:
+        import yaml
+
+        path = Path(ns.config).expanduser()
+        if not path.is_file():
+            raise ConfigError("config", f"no such YAML file: {path}")
+        base = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(base, dict):
+            raise ConfigError("config", f"{path} must hold a mapping of field: value")
+        if task is not None and base.get("task", task) != task:
+            raise ConfigError("task", f"this entry point runs task '{task}', {path} says '{base['task']}'")
+        if "rcr" in overrides and isinstance(base.get("rcr"), dict):
+            overrides["rcr"] = {**base["rcr"], **overrides["rcr"]}
+    return JobConfig.from_dict({**base, **overrides})

@@ -142,33 +142,6 @@ class JobConfig:
             cfg.validate()
         return cfg
 
-    @classmethod
-    def from_args(cls, argv: list[str] | None = None, *, task: str | None = None) -> JobConfig:
-        """Parse flags (and ``--config file.yaml``); ``task`` is the entry point's fixed task."""
-        from pipeline.run.cli import build_arg_parser
-
-        ns = build_arg_parser(task).parse_args(argv)
-        overrides = {k: v for k, v in vars(ns).items() if k != "config" and v is not None}
-        if "rcr" in overrides:
-            overrides["rcr"] = checks.parse_kv_list(overrides["rcr"])
-        if task is not None:
-            overrides.setdefault("task", task)
-        base: dict[str, Any] = {}
-        if ns.config:
-            import yaml
-
-            path = Path(ns.config).expanduser()
-            if not path.is_file():
-                raise ConfigError("config", f"no such YAML file: {path}")
-            base = yaml.safe_load(path.read_text()) or {}
-            if not isinstance(base, dict):
-                raise ConfigError("config", f"{path} must hold a mapping of field: value")
-            if task is not None and base.get("task", task) != task:
-                raise ConfigError("task", f"this entry point runs task '{task}', {path} says '{base['task']}'")
-            if "rcr" in overrides and isinstance(base.get("rcr"), dict):
-                overrides["rcr"] = {**base["rcr"], **overrides["rcr"]}
-        return cls.from_dict({**base, **overrides})
-
     # ------------------------------------------------------------------ validation
 
     def _check_fields(self) -> None:

@@ -2,7 +2,7 @@
 
 ::
 
-    cfg = JobConfig.from_args(task="detailcaps")   # validated: bad fields fail here, before any model work
+    cfg = job_config(task="detailcaps")   # validated: bad fields fail here, before any model work
     result = pipeline.run.driver.run(cfg)
 
 1. Inputs (``inputs.py``): resolve the shards and check each one's schema against ``INPUT_SCHEMA`` (an error
@@ -32,6 +32,7 @@ from pipeline.analysis import mlflow_store, mlflow_ui, report, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.quiet import say
 from pipeline.run import calibration, ray_stages
+from pipeline.run.cli import job_config
 from pipeline.run.config import JobConfig
 from pipeline.run.inputs import scan_inputs
 from pipeline.run.plan import driver_error_table, new_record, new_run_id, plan_job
@@ -165,7 +166,7 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
 def main(task: str | None, argv: list[str] | None = None) -> int:
     """Entry point shared by jobs/*.py: parse + validate the config, run, exit non-zero on failure."""
     try:
-        cfg = JobConfig.from_args(argv, task=task)
+        cfg = job_config(argv, task=task)
         with quiet.stderr_without(quiet.RAY_ACTOR_RESTART_NOTICE):
             result = run(cfg)
     except ConfigError as e:

@@ -20,7 +20,8 @@ from pipeline.analysis.analyze import analyze
 from pipeline.analysis.report import format_summary
 from pipeline.data import convert, shards
 from pipeline.run import driver, inputs
-from pipeline.run.config import ConfigError, JobConfig
+from pipeline.run.cli import job_config
+from pipeline.run.config import ConfigError
 from pipeline.tasks import TASKS
 from tests.fake_output import make_output_frame
 from tests.pipeline.test_convert import detailcaps_table, textcaps_table
@@ -144,7 +145,7 @@ def test_job_with_an_unknown_split_fails_before_any_model_work(tmp_path, capsys)
 # ------------------------------------------------------------------------------------- a split without references
 def test_textcaps_test_placeholder_runs_with_reference_metrics_marked_absent(tmp_path):
     copy = textcaps_copy(tmp_path / "TextCaps")
-    cfg = JobConfig.from_args(["--dataset", f"{copy}:test", "--output-dir", str(tmp_path / "out")], task="textcaps")
+    cfg = job_config(["--dataset", f"{copy}:test", "--output-dir", str(tmp_path / "out")], task="textcaps")
     paths, rows, _ = inputs.scan_inputs(cfg)
     t = shards.read_input(paths[0])
     assert t.column("sample_id").to_pylist() == ["textcaps-t0"] and t.column("references").to_pylist() == [[]]
@@ -231,14 +232,14 @@ def test_job_dataset_by_name_reads_the_cached_main_snapshot(tmp_path, monkeypatc
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     hub_snapshot(tmp_path / "hub", TC.repo_id, MAIN, textcaps_copy(tmp_path / "TextCaps"), ref="main")
-    cfg = JobConfig.from_args(["--dataset", "lmms-lab/TextCaps", "--output-dir", str(tmp_path / "out")],
+    cfg = job_config(["--dataset", "lmms-lab/TextCaps", "--output-dir", str(tmp_path / "out")],
                               task="textcaps")
     paths, rows, _ = inputs.scan_inputs(cfg)
     assert Path(paths[0]).parent.name == f"textcaps-val-{MAIN[:10]}"  # not named by the pinned revision
     assert [r.sample_id for r in rows] == ["textcaps-a1", "textcaps-b2", "textcaps-c3"]
     assert f"reading revision {MAIN[:10]} (main)" in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"no network, and no snapshot of it in the hub cache") as e:
-        inputs.scan_inputs(JobConfig.from_args(["--dataset", "detailcaps"], task="detailcaps"))
+        inputs.scan_inputs(job_config(["--dataset", "detailcaps"], task="detailcaps"))
     assert e.value.field == "dataset"
 
 

@@ -19,7 +19,8 @@ from jobs import prepare_data
 from pipeline.data import convert, images, shards
 from pipeline.run import inputs
 from pipeline.run import plan as planning
-from pipeline.run.config import ConfigError, JobConfig
+from pipeline.run.cli import job_config
+from pipeline.run.config import ConfigError
 from pipeline.run.store import OutputStore
 from pipeline.tasks import TASKS
 
@@ -143,7 +144,7 @@ def test_offline_with_nothing_cached_is_one_line(tmp_path):
 
 # ------------------------------------------------------------------------------------- the jobs' --dataset
 def test_job_dataset_flag_is_checked_up_front(tmp_path):
-    cfg = JobConfig.from_args(["--dataset", "lmms-lab/TextCaps:val"], task="textcaps")
+    cfg = job_config(["--dataset", "lmms-lab/TextCaps:val"], task="textcaps")
     assert cfg.dataset == "lmms-lab/TextCaps:val"
     named = convert.parse_dataset(cfg.dataset, "textcaps")
     assert named.local_path is None and named.task is TASKS["textcaps"] and named.split == "val"
@@ -156,7 +157,7 @@ def test_job_dataset_flag_is_checked_up_front(tmp_path):
         (["--dataset", "lmms-lab/TextCaps"], "detailcaps", "neither foundation-multimodal-models"),
     ):
         with pytest.raises(ConfigError, match=words) as e:
-            JobConfig.from_args(argv, task=task)
+            job_config(argv, task=task)
         assert e.value.field == "dataset"
 
 
@@ -166,7 +167,7 @@ def test_job_dataset_from_a_local_copy_is_converted_once(tmp_path, monkeypatch):
                          ).save_to_disk(str(tmp_path / "tc"))
 
     def plan(spec):
-        cfg = JobConfig.from_args(["--dataset", spec, "--output-dir", str(tmp_path / "out")], task="textcaps")
+        cfg = job_config(["--dataset", spec, "--output-dir", str(tmp_path / "out")], task="textcaps")
         paths, p = planning.plan_job(cfg, OutputStore(cfg.output_dir), inputs.scan_inputs(cfg))
         return paths, [r.sample_id for r in p.rows]
 

@@ -14,7 +14,7 @@ import torch
 import rcr
 from pipeline import preflight
 from pipeline.preflight import PreflightError
-from pipeline.run.config import JobConfig
+from pipeline.run.cli import job_config
 from rcr.models import SUPPORTED, build_inputs, load
 from tests import tiny_models
 
@@ -146,7 +146,7 @@ def test_a_processor_that_does_not_load_and_a_video_task_without_video(tmp_path,
 
 def test_device_cuda_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = JobConfig.from_args(["--device", "cuda", "--engine", "tests.pipeline_helpers:FakeEngine"], task="detailcaps")
+    cfg = job_config(["--device", "cuda", "--engine", "tests.pipeline_helpers:FakeEngine"], task="detailcaps")
     with pytest.raises(PreflightError) as e:
         preflight.check(cfg)
     assert str(e.value).startswith("--device cuda but no GPU is visible") and e.value.field == "device"

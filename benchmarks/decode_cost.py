@@ -33,23 +33,19 @@ import contextlib
 import os
 import random
 import statistics
-import sys
 import time
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import rcr  # noqa: E402
-from rcr import RCRConfig  # noqa: E402
-from rcr.cache import PrefixLayer, PrefixStore  # noqa: E402
-from rcr.embedded import model_dir  # noqa: E402
-from rcr.generate import DecodeSession, build_cache, compile_options  # noqa: E402
-from rcr.methods import RCR, parse_method  # noqa: E402
-from rcr.telemetry import Telemetry  # noqa: E402
+import rcr
+from rcr import RCRConfig
+from rcr.cache import PrefixLayer, PrefixStore
+from rcr.embedded import model_dir
+from rcr.generate import DecodeSession, build_cache, compile_options
+from rcr.methods import RCR, parse_method
+from rcr.telemetry import Telemetry
 
 HQ, HKV, D = 28, 4, 128  # Qwen2-VL-7B attention
 HIDDEN, MLP = 3584, 18944  # Qwen2-VL-7B text layer

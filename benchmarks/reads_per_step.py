@@ -1,7 +1,7 @@
 """Prefix reads per decode step for every method, measured, next to the paper's cost model; and the bytes that
 offload mode really moves from host memory, next to the 160·r model.
 
-    python benchmarks/reads_per_step.py [--model PATH] [--samples 3] [--max-new-tokens 48] [--image-size 896]
+    python -m benchmarks.reads_per_step [--model PATH] [--samples 3] [--max-new-tokens 48] [--image-size 896]
 
 Model: ``--model``, else the embedded model (rcr/embedded_model) when it exists, else a tiny random-weight
 Qwen2-VL (tests/tiny_models.py) with a realistic prefix (896 px: 1,024 visual tokens). Every method decodes
@@ -33,14 +33,11 @@ import time
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import rcr  # noqa: E402
-from pipeline.schema import telemetry_summary  # noqa: E402
-from pipeline.tasks import TASKS  # noqa: E402
-from rcr.embedded import model_dir  # noqa: E402
-from rcr.models import build_inputs, geometry  # noqa: E402
+import rcr
+from pipeline.schema import telemetry_summary
+from pipeline.tasks import TASKS
+from rcr.embedded import model_dir
+from rcr.models import build_inputs, geometry
 
 METHODS = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen"]
 OFFLOAD = ["fixed", "rcr", "rcr_layer"]
@@ -51,22 +48,14 @@ def load_model(args):
     path = args.model or (EMBEDDED if os.path.isdir(EMBEDDED) else None)
     if path:
         model, proc = rcr.models.load(path, device="cpu", dtype=torch.float32)
-        try:  # the embedded model was trained on the pipeline's synthetic scenes
-            sys.path.insert(0, ROOT)
-            from pipeline.data.synthetic import render
+        from pipeline.data.synthetic import render  # the embedded model was trained on the synthetic scenes
 
-            def image(i):
-                from PIL import Image
+        def image(i):
+            from PIL import Image
 
-                return Image.fromarray(render("detailcaps", args.seed, i)[0][0])
-        except ImportError:
-            from rcr.calibrate_infinigen import synthetic_scene
-
-            def image(i):
-                return synthetic_scene(args.seed + i, args.image_size)
+            return Image.fromarray(render("detailcaps", args.seed, i)[0][0])
         return path, model, proc, image
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import tiny_models
+    from tests import tiny_models
 
     model, proc = tiny_models.qwen2_vl()
     proc.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": args.image_size ** 2}  # full-size images
@@ -124,7 +113,7 @@ def main(argv=None) -> int:
         calib = os.path.join(base, "infinigen_calibration")
         held_out = [build_inputs(proc, [TASKS["detailcaps"].prompt], [[image(1000 + i)]]) for i in range(4)]
         skews, cols, stats = calibrate(model, held_out, 0.25)
-        save_calibration(calib, skews, cols, {"command": "python benchmarks/reads_per_step.py " + " ".join(
+        save_calibration(calib, skews, cols, {"command": "python -m benchmarks.reads_per_step " + " ".join(
             sys.argv[1:] if argv is None else argv), "model": name, "prompts": "4 held-out images (index 1000+)",
             "prompt": TASKS["detailcaps"].prompt, **stats})
     cfg = rcr.RCRConfig()  # the paper's budget and defaults

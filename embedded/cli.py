@@ -11,9 +11,10 @@ import dataclasses
 from pathlib import Path
 
 from pipeline.run.config import default_runs_root
+from rcr.config import ConfigError
 
 from .loops import RunOptions
-from .recipe import Recipe, RecipeError, shipped_recipe_path
+from .recipe import Recipe, shipped_recipe_path
 
 EXAMPLES = """examples:
   python jobs/train_embedded.py --same-as rcr/embedded_model  # retrain the shipped model, compare (~92 min, 2 cores)
@@ -102,9 +103,19 @@ def parse(argv=None) -> tuple[Recipe, RunOptions]:
         changes[f.name] = value
     try:
         recipe = Recipe.load(args.recipe).replace(**changes)
-    except RecipeError as exc:
+    except ConfigError as exc:
         ap.error(str(exc))
     opts = RunOptions(run_dir=Path(args.run_dir), out=Path(args.out), device=args.device, minutes=args.minutes,
                       stop_after=args.stop_after, ckpt_minutes=args.ckpt_minutes, fresh=args.fresh,
                       init_from=args.init_from, same_as=args.same_as, export=args.export)
     return recipe, opts
+
+
+def main(argv=None) -> int:
+    """``python jobs/train_embedded.py``: print the recipe, train (``embedded.train.run``)."""
+    from . import train
+
+    recipe, opts = parse(argv)
+    print("recipe: " + " ".join(f"{k}={v}" for k, v in recipe.to_dict().items()), flush=True)
+    train.run(recipe, opts)
+    return 0

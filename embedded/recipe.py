@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeline.data import synthetic as S
 from pipeline.tasks import TASKS
+from rcr.config import ConfigError
 from rcr.embedded import model_dir
 
 from .assets import MODEL_SIZES
@@ -25,12 +26,9 @@ RECIPE_NAME = "recipe.json"
 GROUNDED_TASKS = ("detailcaps", "textcaps")  # the tasks with grounding targets (video has none)
 
 
-class RecipeError(ValueError):
-    """A recipe field with a bad value; the message names the field."""
-
-    def __init__(self, name: str, msg: str):
-        super().__init__(f"recipe field {name!r}: {msg}")
-        self.field = name
+def _bad(name: str, message: str) -> ConfigError:
+    """A recipe field with a bad value: ``recipe.<name>``."""
+    return ConfigError(f"recipe.{name}", message)
 
 
 def shipped_recipe_path() -> Path:
@@ -74,56 +72,56 @@ class Recipe:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             if getattr(self, f.name) is None and "None" not in str(f.type):
-                raise RecipeError(f.name, "missing")
+                raise _bad(f.name, "missing")
         self._check_stages()
         self._check_grounding()
 
     def _check_stages(self) -> None:
         if self.size not in MODEL_SIZES:
-            raise RecipeError("size", f"{self.size!r}; choose one of {', '.join(MODEL_SIZES)}")
+            raise _bad("size", f"{self.size!r}; choose one of {', '.join(MODEL_SIZES)}")
         if self.layout not in S.LAYOUTS:
-            raise RecipeError("layout", f"{self.layout!r}; choose one of {', '.join(sorted(S.LAYOUTS))}")
+            raise _bad("layout", f"{self.layout!r}; choose one of {', '.join(sorted(S.LAYOUTS))}")
         if not (self.threads == "auto" or isinstance(self.threads, int) and self.threads > 0):
-            raise RecipeError("threads", f"{self.threads!r}; give a count > 0 or 'auto'")
+            raise _bad("threads", f"{self.threads!r}; give a count > 0 or 'auto'")
         for name in ("lr", "polish_lr", "vision_lr_scale", "batch_scale"):
             if not getattr(self, name) > 0:
-                raise RecipeError(name, f"{getattr(self, name)}; give a value > 0")
+                raise _bad(name, f"{getattr(self, name)}; give a value > 0")
         for name in ("warmup", "vision_steps", "steps", "polish_steps", "weight_decay", "ground_loss"):
             if getattr(self, name) < 0:
-                raise RecipeError(name, f"{getattr(self, name)}; give a value >= 0")
+                raise _bad(name, f"{getattr(self, name)}; give a value >= 0")
         if self.steps < 1:
-            raise RecipeError("steps", f"{self.steps}; give at least 1")
+            raise _bad("steps", f"{self.steps}; give at least 1")
         if self.sink_ramp is not None and not (len(self.sink_ramp) == 2 and
                                                0.0 <= self.sink_ramp[0] < self.sink_ramp[1] <= 1.0):
-            raise RecipeError("sink_ramp", f"{self.sink_ramp}; give fractions FROM < TO of the main stage in [0, 1]")
+            raise _bad("sink_ramp", f"{self.sink_ramp}; give fractions FROM < TO of the main stage in [0, 1]")
         if self.polish_steps > (1 - LAST_PHASE) * self.steps:
-            raise RecipeError("polish_steps", f"{self.polish_steps}; give 0 to {int((1 - LAST_PHASE) * self.steps)} "
+            raise _bad("polish_steps", f"{self.polish_steps}; give 0 to {int((1 - LAST_PHASE) * self.steps)} "
                                               f"(its batches are the last phase's, the last {1 - LAST_PHASE:.0%} of "
                                               "the main stage's steps)")
         if not 0 <= self.polish_cooldown <= 1:
-            raise RecipeError("polish_cooldown", f"{self.polish_cooldown}; give a fraction of the stage, 0 to 1")
+            raise _bad("polish_cooldown", f"{self.polish_cooldown}; give a fraction of the stage, 0 to 1")
         for name in ("seed", "polish_seed"):  # scene (seed, i) is the same scene in training and in evaluation
             if getattr(self, name) == S.HELDOUT_SEED:
-                raise RecipeError(name, f"{S.HELDOUT_SEED} is the seed held-out evaluation draws its scenes with")
+                raise _bad(name, f"{S.HELDOUT_SEED} is the seed held-out evaluation draws its scenes with")
         if self.polish_mix is not None:
             bad = [t for t, w in self.polish_mix.items() if t not in TASKS or not 0 <= w < float("inf")]
             if bad or not sum(self.polish_mix.values()) > 0:
-                raise RecipeError("polish_mix", f"{self.polish_mix}; give weights >= 0 (some > 0) of tasks among "
+                raise _bad("polish_mix", f"{self.polish_mix}; give weights >= 0 (some > 0) of tasks among "
                                                 f"{', '.join(TASKS)}")
 
     def _check_grounding(self) -> None:
         n_layers = MODEL_SIZES[self.size]["layers"]
         if not -n_layers <= self.ground_layer < n_layers:
-            raise RecipeError("ground_layer", f"{self.ground_layer}; size {self.size} has {n_layers} decoder layers")
+            raise _bad("ground_layer", f"{self.ground_layer}; size {self.size} has {n_layers} decoder layers")
         for name in ("ground_tasks", "polish_ground_tasks", "polish_ground_spread"):
             bad = [t for t in getattr(self, name) if t not in GROUNDED_TASKS]
             if bad:
-                raise RecipeError(name, f"{bad}; give tasks among {', '.join(GROUNDED_TASKS)}")
+                raise _bad(name, f"{bad}; give tasks among {', '.join(GROUNDED_TASKS)}")
         if self.ground_loss and "detailcaps" in self.ground_tasks and not S.get_layout(self.layout).every_cell:
-            raise RecipeError("ground_tasks", f"grounding detailcaps needs a layout whose descriptions walk every "
+            raise _bad("ground_tasks", f"grounding detailcaps needs a layout whose descriptions walk every "
                                               f"cell, not {self.layout}")
         if self.polish_ground_spread and not (self.polish_steps and self.ground_loss):
-            raise RecipeError("polish_ground_spread", "acts on the grounding loss in the polish stage: needs "
+            raise _bad("polish_ground_spread", "acts on the grounding loss in the polish stage: needs "
                                                       "polish_steps and ground_loss")
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -132,10 +130,10 @@ class Recipe:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise RecipeError(unknown[0], f"unknown field in {source}; the fields are {', '.join(sorted(names))}")
+            raise _bad(unknown[0], f"unknown field in {source}; the fields are {', '.join(sorted(names))}")
         missing = sorted(names - set(d))
         if missing:
-            raise RecipeError(missing[0], f"missing from {source}")
+            raise _bad(missing[0], f"missing from {source}")
         return cls(**{k: _normalise(k, v) for k, v in d.items()})
 
     @classmethod
@@ -147,9 +145,9 @@ class Recipe:
         try:
             data = json.loads(p.read_text())
         except FileNotFoundError:
-            raise RecipeError("recipe", f"no recipe file at {p}") from None
+            raise _bad("recipe", f"no recipe file at {p}") from None
         except json.JSONDecodeError as exc:
-            raise RecipeError("recipe", f"{p} is not JSON ({exc})") from None
+            raise _bad("recipe", f"{p} is not JSON ({exc})") from None
         return cls.from_dict(data, source=str(p))
 
     def to_dict(self) -> dict[str, Any]:

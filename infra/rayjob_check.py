@@ -27,12 +27,11 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from pipeline.run.cli import job_config
+from pipeline.run.config import ConfigError, JobConfig
+from pipeline.run.placement import Node, plan_actors
 
-from pipeline.run.cli import job_config  # noqa: E402
-from pipeline.run.config import ConfigError, JobConfig  # noqa: E402
-from pipeline.run.placement import Node, plan_actors  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 CRD = REPO / "infra" / "kuberay" / "ray.io_rayjobs.yaml"
 CRD_README = REPO / "infra" / "kuberay" / "README.md"

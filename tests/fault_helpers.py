@@ -94,6 +94,6 @@ def assert_one_parent_one_child_per_method(uri: str) -> None:
 
 
 def backfill(out: Path, uri: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "jobs.backfill_mlflow", "--output-dir", str(out), "--tracking-uri", uri,
+    return subprocess.run([PY, "jobs/backfill_mlflow.py", "--output-dir", str(out), "--tracking-uri", uri,
                            "--bootstrap-resamples", "200", "--no-summary"], cwd=REPO, capture_output=True, text=True,
                           env=subprocess_env(), check=False)

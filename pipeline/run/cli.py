@@ -68,7 +68,7 @@ def _add(group, f: dataclasses.Field, task: str | None, runs) -> None:
     if extra.pop("hidden", False):
         group.add_argument(name, dest=f.name, help=argparse.SUPPRESS)
         return
-    help = f"{meta['help']} (default: {_shown(f, task, runs)})".replace("%", "%%")
+    help = f"{meta['help']} (default: {_shown(f, task, runs)})".replace("<runs dir>", str(runs)).replace("%", "%%")
     if f.name == "task":
         extra["choices"] = list(TASKS)
     elif meta["choices"] is not None:

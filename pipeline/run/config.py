@@ -90,8 +90,8 @@ class JobConfig:
     max_new_tokens: int | None = _f(None, "generated tokens per sample and method, at most", WHAT, kind=int, lo=1,
                                     hi=MAX_NEW_TOKENS_LIMIT)
     limit: int | None = _f(None, "first N input rows, in shard order", WHAT, shown="every row", kind=int, lo=1)
-    rcr: dict[str, Any] = _f(help="a shared rcr.RCRConfig field, repeatable (the paper's values, and "
-                             "record_attention=true)", group=WHAT, factory=dict, shown="the paper's values",
+    rcr: dict[str, Any] = _f(help="a shared rcr.RCRConfig field, repeatable (a method's own go in its label)",
+                             group=WHAT, factory=dict, shown="the paper's values, and record_attention=true",
                              flag={"action": "append", "metavar": "KEY=VALUE"})
     output_dir: str | None = _f(None, "Parquet output directory", WHERE, shown="<runs dir>/<job name>")
     mlflow_uri: str | None = _f(None, "MLflow tracking URI", WHERE, shown="sqlite:///<runs dir>/mlflow.db")

@@ -163,8 +163,9 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
     return out
 
 
-def main(task: str | None, argv: list[str] | None = None) -> int:
-    """Entry point shared by jobs/*.py: parse + validate the config, run, exit non-zero on failure."""
+def main(task: str | None = None, argv: list[str] | None = None) -> int:
+    """The jobs' entry point (``jobs/eval.py``, ``rcr-eval``; ``task``: a task's own alias, ``jobs/detailcaps.py``):
+    parse + validate the config, run, exit non-zero on failure (docs/pipeline.md, "Exit status")."""
     try:
         cfg = job_config(argv, task=task)
         with quiet.stderr_without(quiet.RAY_ACTOR_RESTART_NOTICE):

@@ -74,7 +74,7 @@ def test_image_share_aim_is_the_image_part_of_each_step(capsys):
     whole attention, not of its prefix part; the aim is met only if every re-selected layer gives the image < 0.5,
     and a sliding-window layer (never re-selected) is left out of the premise check's per-layer figures."""
     from embedded.bars import aims
-    from jobs.eval_embedded import main
+    from embedded.evaluate import main
     from pipeline.diagnose.attention import layer_profile
     from pipeline.diagnose.premises import layer_figures
 

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from embedded import cli
-from embedded.recipe import ALL_FIELDS, MAIN_FIELDS, VISION_FIELDS, Recipe, RecipeError, shipped_recipe_path
+from embedded.recipe import ALL_FIELDS, MAIN_FIELDS, VISION_FIELDS, Recipe, shipped_recipe_path
 from pipeline.data import synthetic as S
+from rcr.config import ConfigError
 
 
 def shipped() -> dict:
@@ -48,21 +49,21 @@ def test_a_flag_overrides_one_field_and_only_that_one():
     ({"polish_ground_spread": ["detailcaps"], "polish_steps": 0}, "polish_ground_spread"),
 ])
 def test_a_bad_value_is_refused_naming_its_field(change, field):
-    with pytest.raises(RecipeError, match=f"recipe field '{field}'") as err:
+    with pytest.raises(ConfigError, match=f"field 'recipe.{field}'") as err:
         Recipe.from_dict({**shipped(), **change})
-    assert err.value.field == field
+    assert err.value.field == f"recipe.{field}"
 
 
 def test_a_recipe_file_with_a_missing_or_unknown_field_is_refused(tmp_path):
     data = shipped()
     del data["warmup"]
-    with pytest.raises(RecipeError, match="'warmup': missing from"):
+    with pytest.raises(ConfigError, match="'recipe.warmup': missing from"):
         Recipe.from_dict(data)
-    with pytest.raises(RecipeError, match="'wramup': unknown field"):
+    with pytest.raises(ConfigError, match="'recipe.wramup': unknown field"):
         Recipe.from_dict({**shipped(), "wramup": 100})
     bad = tmp_path / "recipe.json"
     bad.write_text("{not json")
-    with pytest.raises(RecipeError, match="is not JSON"):
+    with pytest.raises(ConfigError, match="is not JSON"):
         Recipe.load(bad)
     with pytest.raises(SystemExit):  # the command line says it in one line and exits 2
         cli.parse(["--recipe", str(bad)])
@@ -71,7 +72,7 @@ def test_a_recipe_file_with_a_missing_or_unknown_field_is_refused(tmp_path):
 def test_the_command_line_names_the_field_of_a_bad_override(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.parse(["--polish-cooldown", "2"])
-    assert exit_.value.code == 2 and "recipe field 'polish_cooldown'" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "field 'recipe.polish_cooldown'" in capsys.readouterr().err
 
 
 def test_each_stage_depends_on_its_own_fields():

@@ -136,7 +136,7 @@ def test_offline_without_local_copy_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)  # never touch the network in tests
     with pytest.raises(convert.OfflineError, match="--local-path"):
         list(convert.convert_textcaps(cache_dir=str(tmp_path / "empty-cache")))
-    from jobs.prepare_data import main
+    from pipeline.data.prepare import main
 
     rc = main(["detailcaps", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "empty-cache")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -230,7 +230,7 @@ def test_video_errors(tmp_path):
 
 # ------------------------------------------------------------------------------------- CLI
 def test_prepare_data_cli(tmp_path, capsys):
-    from jobs.prepare_data import main
+    from pipeline.data.prepare import main
 
     f = tmp_path / "DetailCaps-4870.parquet"
     pq.write_table(detailcaps_table(10), f)

@@ -16,7 +16,7 @@ import shlex
 import pandas as pd
 import pytest
 
-from jobs import backfill_mlflow
+from pipeline.analysis import backfill as backfill_mlflow
 from pipeline.run import driver
 from pipeline.run.config import ConfigError
 from pipeline.run.store import OutputStore

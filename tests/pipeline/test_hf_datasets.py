@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jobs import prepare_data
 from pipeline.data import convert, images, shards
+from pipeline.data import prepare as prepare_data
 from pipeline.run import inputs
 from pipeline.run import plan as planning
 from pipeline.run.cli import job_config

@@ -11,7 +11,7 @@ from .base import BuildContext, Decision, Method, StepContext
 from .exact import Exact
 from .full import Full
 from .infinigen import InfiniGen
-from .knobs import default_record, describe, parse_knobs
+from .knobs import default_record, describe, knob, parse_knobs
 from .prefill_oracle import PrefillOracle
 from .quest import Quest
 from .rcr import RCR, Fixed
@@ -20,6 +20,17 @@ from .scorer import ScorerMethod
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Bacon, PrefillOracle, Exact, Fixed, RCR, RCRLayer,
                                                         Quest, ArkVale, InfiniGen)}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Add a method class to ``METHODS`` under its ``name`` (a method defined outside this package; the ones here
+    are listed above). Returns the class, so it can decorate it."""
+    if not (isinstance(cls, type) and issubclass(cls, Method)) or cls.name in ("", "base"):
+        raise ConfigError("method", f"{cls!r} is not a Method subclass with its own name")
+    if METHODS.get(cls.name, cls) is not cls:
+        raise ConfigError("method", f"{cls.name!r} is already registered ({METHODS[cls.name].__qualname__})")
+    METHODS[cls.name] = cls
+    return cls
 
 
 def parse_method(label: str | Method, config: RCRConfig | None = None) -> Method:
@@ -50,6 +61,6 @@ def knob_defaults() -> dict:
     return default_record(METHODS.values())
 
 
-__all__ = ["METHODS", "parse_method", "describe_methods", "knob_defaults", "Method", "ScorerMethod", "Decision",
-           "StepContext", "BuildContext", "Full", "Bacon", "PrefillOracle", "Exact", "Fixed", "RCR", "RCRLayer",
-           "Quest", "ArkVale", "InfiniGen"]
+__all__ = ["METHODS", "register", "parse_method", "knob", "describe_methods", "knob_defaults", "Method",
+           "ScorerMethod", "Decision", "StepContext", "BuildContext", "Full", "Bacon", "PrefillOracle", "Exact", "Fixed",
+           "RCR", "RCRLayer", "Quest", "ArkVale", "InfiniGen"]

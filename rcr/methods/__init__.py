@@ -62,5 +62,5 @@ def knob_defaults() -> dict:
 
 
 __all__ = ["METHODS", "register", "parse_method", "knob", "describe_methods", "knob_defaults", "Method",
-           "ScorerMethod", "Decision", "StepContext", "BuildContext", "Full", "Bacon", "PrefillOracle", "Exact", "Fixed",
-           "RCR", "RCRLayer", "Quest", "ArkVale", "InfiniGen"]
+           "ScorerMethod", "Decision", "StepContext", "BuildContext", "Full", "Bacon", "PrefillOracle", "Exact",
+           "Fixed", "RCR", "RCRLayer", "Quest", "ArkVale", "InfiniGen"]

@@ -8,7 +8,7 @@
    unknown fields refused, as ``kubectl apply`` does by default (``--validate=strict``): an object schema
    that lists its properties is closed. The CRD's few CEL rules (``x-kubernetes-validations``, on deletion
    policies and ``managedBy``) are the API server's and are not evaluated here.
-3. Resources: the entrypoint is read by the job's own config (``JobConfig.from_args``). The nodes are the head
+3. Resources: the entrypoint is read by the job's own config (``pipeline.run.cli.job_config``). The nodes are the head
    and ``replicas`` of each worker group, each with the CPUs and GPUs that KubeRay hands to ``ray start``
    (``rayStartParams`` num-cpus / num-gpus, else the container's limits). The driver's resource plan
    (``pipeline/run/placement.py``) must place the actors on them, a group's ``num-gpus`` must equal its

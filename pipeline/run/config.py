@@ -70,7 +70,8 @@ def _f(default: Any = None, help: str = "", group: str | None = None, *, factory
 
 @dataclass
 class JobConfig:
-    """Everything a pipeline job needs. Construct with :meth:`from_args` / :meth:`from_dict`, which validate."""
+    """Everything a pipeline job needs. Construct with ``pipeline.run.cli.job_config`` (a command line) or
+    :meth:`from_dict`; both validate."""
 
     task: str = _f("detailcaps", "which task (pipeline/tasks/)", WHAT)
     model: str = _f(EMBEDDED, "'embedded' (the small synthetic-scene model shipped in rcr/embedded_model), a local "

@@ -243,9 +243,9 @@ def test_job_dataset_by_name_reads_the_cached_main_snapshot(tmp_path, monkeypatc
     assert e.value.field == "dataset"
 
 
-# ------------------------------------------------------------------------------------- the README
-def test_readme_download_commands_pin_the_revision():
-    text = (REPO / "README.md").read_text()
+# ------------------------------------------------------------------------------------- the docs
+def test_the_docs_download_commands_pin_the_revision():
+    text = (REPO / "docs" / "pipeline.md").read_text()
     for src in (t.source for t in TASKS.values() if t.source is not None):
         cmds = re.findall(rf"hf download {re.escape(src.repo_id)} --repo-type dataset --revision (\w+)", text)
         assert cmds == [src.revision], (src.repo_id, cmds)

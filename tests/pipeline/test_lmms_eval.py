@@ -123,7 +123,8 @@ def test_telemetry_and_fidelity_in_logged_samples(full_run, rcr_batch1):
     assert len(got) == 4
     for sid, s in got.items():
         tel = s["counts"]["rcr"]
-        assert tel["method"] == "rcr" and tel["output_tokens"] == s["counts"]["output_tokens"] >= 1
+        # the label: rcr with its own knob given as a model arg (candidates=16)
+        assert tel["method"] == "rcr@candidates=16" and tel["output_tokens"] == s["counts"]["output_tokens"] >= 1
         assert 0.0 < tel["refresh_fraction"] <= 1.0 and tel["keys_read_per_step"] > 0.0
         assert tel["mean_drift"] is not None and tel["prefix_len"] > 0
         assert tel["fidelity"] == pytest.approx(rouge_l_f1(full[sid]["text"], s["text"]))
@@ -152,7 +153,7 @@ def test_padded_batch_matches_batch_one(task_dir, rcr_batch1):
     ("method=rcr,rank=0", "field 'rcr.rank'"),  # a knob of the method, given as its own model arg
     ("method=rcr@rho=2", "field 'rcr.rho'"),  # ... or in its label
     ("method=rcr,tau0=high", "tau0"),
-    ("method=rcr,window=-1", "field 'RCRConfig.window'"),
+    ("method=rcr,bacon_kernel=4", "field 'RCRConfig.bacon_kernel'"),  # a shared field, checked by RCRConfig
     ("method=rcr,batch_size=auto", "batch_size"),
     ("method=rcr,dtype=float8", "dtype"),
     ("method=rcr,device=gpu0", "device"),

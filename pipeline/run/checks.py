@@ -73,7 +73,8 @@ def validate_methods(methods: Any, rcr_values: dict) -> list[str]:
         try:
             parse_method(m, config)
         except ConfigError as e:
-            raise ConfigError("methods", f"{m!r}: {e.message}" + ("" if e.field == "method" else f" ({e.field})")) \
+            # parse_method's own errors (field "method") name the method already; a knob's error names the label
+            raise ConfigError("methods", e.message if e.field == "method" else f"{m!r}: {e.message} ({e.field})") \
                 from None
         if m not in out:
             out.append(m)

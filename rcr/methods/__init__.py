@@ -45,7 +45,8 @@ def parse_method(label: str | Method, config: RCRConfig | None = None) -> Method
     label = label.strip()
     name, sep, args = label.partition("@")
     if name not in METHODS:
-        raise ConfigError("method", f"{label!r}: unknown method; known methods are {sorted(METHODS)}")
+        where = "" if name == label else f" in {label!r}"
+        raise ConfigError("method", f"unknown method {name!r}{where}; known methods are {sorted(METHODS)}")
     cls = METHODS[name]
     values = parse_knobs(cls, args, label) if sep else {}
     return cls(config=config, label=label, **values)

@@ -19,7 +19,8 @@ import yaml
 
 from pipeline.run.cli import job_config
 from pipeline.run.config import JobConfig
-from tests.pipeline_helpers import PY, REPO, free_port, noise_lines, synthetic_records, write_shard
+from tests.pipeline_helpers import PY, REPO, noise_lines, synthetic_records, write_shard
+from tests.ray_head import free_port
 
 RAYJOB = REPO / "infra" / "kuberay-rayjob.yaml"
 JOBS = ("detailcaps", "textcaps", "video")

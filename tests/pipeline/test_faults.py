@@ -31,7 +31,8 @@ from tests.fault_helpers import (
     parts,
     run_inline,
 )
-from tests.pipeline_helpers import REPO, bad_input_records, free_port, synthetic_records, tiny_qwen2_vl_dir, write_shard
+from tests.pipeline_helpers import REPO, bad_input_records, synthetic_records, tiny_qwen2_vl_dir, write_shard
+from tests.ray_head import free_port
 
 
 @pytest.fixture

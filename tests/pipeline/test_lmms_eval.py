@@ -23,7 +23,14 @@ from lmms_eval import evaluator  # noqa: E402
 from lmms_eval.api.instance import Instance  # noqa: E402
 from lmms_eval.models import get_model  # noqa: E402
 from lmms_eval.tasks import TaskManager  # noqa: E402
-from PIL import Image  # noqa: E402
+from PIL import (
+    Image,  # noqa: E402
+    ImageFile,  # noqa: E402
+)
+
+# lmms_eval.api.task sets PIL's process-wide ImageFile.LOAD_TRUNCATED_IMAGES on import (lmms-eval's own policy:
+# truncated images decode, padded). The rest of this test process checks that the pipeline refuses them.
+ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 import rcr  # noqa: E402
 import rcr.models  # noqa: E402
@@ -147,7 +154,7 @@ def test_padded_batch_matches_batch_one(task_dir, rcr_batch1):
 
 
 @pytest.mark.parametrize("args, named", [
-    ("method=bogus", "'bogus': unknown method"),
+    ("method=bogus", "unknown method 'bogus'"),
     ("method=fixed@x", "'fixed@x'"),
     ("method=rcr,selectd=3", "selectd"),
     ("method=rcr,rank=0", "field 'rcr.rank'"),  # a knob of the method, given as its own model arg

@@ -95,7 +95,7 @@ def test_a_hub_id_not_in_the_cache_while_offline_is_one_line(tmp_path):
 def test_a_hub_id_while_the_hub_is_unreachable_is_one_line_without_retries(tmp_path, monkeypatch, caplog):
     """Online, but nothing answers at the Hub's address (here: a closed port on 127.0.0.1): one request, then the
     one line; not huggingface_hub's download, which retries an unreachable Hub five times, a log line each."""
-    from tests.pipeline_helpers import free_port
+    from tests.ray_head import free_port
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)

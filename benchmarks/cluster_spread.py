@@ -13,8 +13,8 @@ with a one-node job, on the same cores; it is not a speed-up.
 The two set-ups alternate (``--repeats``), and the machine's load average is printed at the start and end:
 on a shared box, other processes change these figures.
 
-    python benchmarks/cluster_spread.py                           # embedded model, 18 samples, 24 tokens
-    python benchmarks/cluster_spread.py --n 24 --max-new-tokens 32 --repeats 2
+    python -m benchmarks.cluster_spread                           # embedded model, 18 samples, 24 tokens
+    python -m benchmarks.cluster_spread --n 24 --max-new-tokens 32 --repeats 2
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 SETUPS = {"3 nodes x 1 CPU": [1, 1, 1], "1 node x 3 CPU": [3]}
 ACTORS = 3

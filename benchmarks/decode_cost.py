@@ -33,23 +33,19 @@ import contextlib
 import os
 import random
 import statistics
-import sys
 import time
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import rcr  # noqa: E402
-from rcr import RCRConfig  # noqa: E402
-from rcr.cache import PrefixLayer, PrefixStore  # noqa: E402
-from rcr.embedded import model_dir  # noqa: E402
-from rcr.generate import DecodeSession, build_cache, compile_options  # noqa: E402
-from rcr.methods import parse_method  # noqa: E402
-from rcr.telemetry import Telemetry  # noqa: E402
+import rcr
+from rcr import RCRConfig
+from rcr.cache import PrefixLayer, PrefixStore
+from rcr.embedded import model_dir
+from rcr.generate import DecodeSession, build_cache, compile_options
+from rcr.methods import RCR, parse_method
+from rcr.telemetry import Telemetry
 
 HQ, HKV, D = 28, 4, 128  # Qwen2-VL-7B attention
 HIDDEN, MLP = 3584, 18944  # Qwen2-VL-7B text layer
@@ -153,7 +149,7 @@ def layer_mode(args, device, dtype, sync) -> None:
     cfg = RCRConfig(compile=args.compile)  # checks the --compile value, as model mode does
     methods = selected_methods(LAYER_METHODS, args.methods, device)
     print(f"layer mode: {HQ} q heads, {HKV} KV heads, head dim {D}; device {device}, {dtype}; selected "
-          f"{cfg.selected} + window {cfg.window}, candidates {cfg.candidates}, rank {cfg.rank}; "
+          f"{cfg.selected} + window {cfg.window}, candidates {RCR().candidates}, rank {RCR().rank}; "
           f"{args.settle} settle + {args.steps} timed layer-steps per method" +
           (f"; every method but full(gqa) compiled whole (mode {args.compile})" if args.compile else ""))
     print(f"{'Np':>7} {'method':>10} {'ms/layer-step':>14} {'x full':>7} {'x bacon':>8} {'refresh r':>9} "
@@ -196,10 +192,11 @@ def embedded_model(args, device, dtype):
     from PIL import Image
 
     from pipeline.data import synthetic as S
+    from pipeline.tasks import TASKS
 
     model, processor = rcr.models.load(args.model, device=device, dtype=dtype)
     frames, _ = S.render("detailcaps", S.HELDOUT_SEED, 0)
-    inputs = rcr.models.build_inputs(processor, [rcr.models.PROMPTS["detailcaps"]], [[Image.fromarray(frames[0])]])
+    inputs = rcr.models.build_inputs(processor, [TASKS["detailcaps"].prompt], [[Image.fromarray(frames[0])]])
     return model, inputs
 
 

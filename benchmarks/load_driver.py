@@ -2,8 +2,8 @@
 and Ray Data on a private in-process Ray. Per job size it reports rows/s and the driver's peak RSS, and the
 ratio of the peak RSS at the largest size to the smallest (the driver streams: it must not grow with N).
 
-    python benchmarks/load_driver.py                      # 500 and 2,000 samples x 3 methods
-    python benchmarks/load_driver.py --sizes 500 2000 8000 --batch-size 20
+    python -m benchmarks.load_driver                      # 500 and 2,000 samples x 3 methods
+    python -m benchmarks.load_driver --sizes 500 2000 8000 --batch-size 20
 
 Each size runs in a fresh driver process (``--child``), so each peak RSS (the kernel's VmHWM) is that job's
 own. "growth" is the peak minus the RSS just before ``pipeline.run.driver.run`` (after the imports), i.e. what the
@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 METHODS = "full,bacon,rcr"
 
 
@@ -52,12 +51,12 @@ def child(n: int, work: Path, batch_size: int, inline: bool) -> None:
         inline_driver.install()
     os.environ.setdefault("RCR_RUNS_DIR", str(work / "runs"))
     from pipeline.run import driver
-    from pipeline.run.config import JobConfig
+    from pipeline.run.cli import job_config
 
     model = work / "fake-model"
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text('{"model_type": "qwen2_vl"}')
-    cfg = JobConfig.from_args(["--model", str(model), "--shards", str(work / f"shards-{n}"), "--methods", METHODS,
+    cfg = job_config(["--model", str(model), "--shards", str(work / f"shards-{n}"), "--methods", METHODS,
                                "--engine", "tests.pipeline_helpers:FakeEngine", "--batch-size", str(batch_size),
                                "--output-dir", str(work / f"out-{n}"), "--no-summary", "--progress-every-s", "30",
                                "--mlflow-uri", f"sqlite:///{work / 'mlflow.db'}"], task="detailcaps")

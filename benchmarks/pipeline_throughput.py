@@ -12,22 +12,19 @@ out each worker's first batch (its warm-up): the samples of the later batches ov
 k-th batch written to the last (k = 1 for the loop and 1 actor, 2 for 2 actors). The machine's load
 average is printed too: on a shared box, other processes change these figures.
 
-    python benchmarks/pipeline_throughput.py                      # embedded model, 8 samples, 32 tokens
-    python benchmarks/pipeline_throughput.py --n 16 --max-new-tokens 64 --methods full,bacon,rcr
+    python -m benchmarks.pipeline_throughput                      # embedded model, 8 samples, 32 tokens
+    python -m benchmarks.pipeline_throughput --n 16 --max-new-tokens 64 --methods full,bacon,rcr
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 
 def _model(arg: str, tmp: Path) -> str:
@@ -35,7 +32,7 @@ def _model(arg: str, tmp: Path) -> str:
 
     if arg != "embedded" or (model_dir() / "config.json").is_file():
         return arg
-    from pipeline_helpers import tiny_qwen2_vl_dir
+    from tests.pipeline_helpers import tiny_qwen2_vl_dir
 
     print("[bench] the embedded model is not in this checkout; using a tiny random Qwen2-VL instead", flush=True)
     return str(tiny_qwen2_vl_dir(tmp))

@@ -1,7 +1,7 @@
 """Prefix reads per decode step for every method, measured, next to the paper's cost model; and the bytes that
 offload mode really moves from host memory, next to the 160·r model.
 
-    python benchmarks/reads_per_step.py [--model PATH] [--samples 3] [--max-new-tokens 48] [--image-size 896]
+    python -m benchmarks.reads_per_step [--model PATH] [--samples 3] [--max-new-tokens 48] [--image-size 896]
 
 Model: ``--model``, else the embedded model (rcr/embedded_model) when it exists, else a tiny random-weight
 Qwen2-VL (tests/tiny_models.py) with a realistic prefix (896 px: 1,024 visual tokens). Every method decodes
@@ -33,13 +33,11 @@ import time
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import rcr  # noqa: E402
-from pipeline.schema import telemetry_summary  # noqa: E402
-from rcr.embedded import model_dir  # noqa: E402
-from rcr.models import PROMPTS, build_inputs, geometry  # noqa: E402
+import rcr
+from pipeline.schema import telemetry_summary
+from pipeline.tasks import TASKS
+from rcr.embedded import model_dir
+from rcr.models import build_inputs, geometry
 
 METHODS = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen"]
 OFFLOAD = ["fixed", "rcr", "rcr_layer"]
@@ -50,22 +48,14 @@ def load_model(args):
     path = args.model or (EMBEDDED if os.path.isdir(EMBEDDED) else None)
     if path:
         model, proc = rcr.models.load(path, device="cpu", dtype=torch.float32)
-        try:  # the embedded model was trained on the pipeline's synthetic scenes
-            sys.path.insert(0, ROOT)
-            from pipeline.data.synthetic import render
+        from pipeline.data.synthetic import render  # the embedded model was trained on the synthetic scenes
 
-            def image(i):
-                from PIL import Image
+        def image(i):
+            from PIL import Image
 
-                return Image.fromarray(render("detailcaps", args.seed, i)[0][0])
-        except ImportError:
-            from rcr.calibrate_infinigen import synthetic_scene
-
-            def image(i):
-                return synthetic_scene(args.seed + i, args.image_size)
+            return Image.fromarray(render("detailcaps", args.seed, i)[0][0])
         return path, model, proc, image
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import tiny_models
+    from tests import tiny_models
 
     model, proc = tiny_models.qwen2_vl()
     proc.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": args.image_size ** 2}  # full-size images
@@ -73,16 +63,20 @@ def load_model(args):
             lambda i: tiny_models.random_image(args.seed + i, args.image_size))
 
 
-def model_reads(label: str, np_: float, r: float, cfg: rcr.RCRConfig, d: int) -> tuple[str, float, float, str]:
-    """(formula, vectors per KV head per step, detector dots per query vector) of the cost model, and what the RCR
-    paper charges the method."""
-    s = cfg.selected
+RCR = rcr.methods.RCR()  # the paper's detector, candidates and controller (the defaults)
+Quest = rcr.methods.Quest()
+
+
+def model_reads(m, np_: float, r: float, d: int) -> tuple[str, float, float, str]:
+    """(formula, vectors per KV head per step, detector dots per query vector) of method ``m``'s cost model (its
+    own knobs), and what the RCR paper charges it."""
+    s, label = m.config.selected, m.name
     if label in ("rcr", "fixed", "rcr_layer"):
-        return "160·r", (cfg.candidates + s) * r, np_ * cfg.rank / d, "160·r"
+        return "160·r", (m.candidates + s) * r, np_ * m.rank / d, "160·r"
     if label in ("quest", "arkvale"):
-        return "64", 2.0 * s, 2 * np.ceil(np_ / cfg.page_size), "64"
+        return "64", 2.0 * s, 2 * np.ceil(np_ / m.page_size), "64"
     if label == "infinigen":
-        return "64", 2.0 * s, np_ * round(cfg.infinigen_partial_ratio * d) / d, "64"
+        return "64", 2.0 * s, np_ * round(m.partial_ratio * d) / d, "64"
     if label == "exact":
         return "Np+32", np_ + s, 0.0, "prefix scan"
     return "0", 0.0, 0.0, "-"
@@ -117,24 +111,28 @@ def main(argv=None) -> int:
 
         base = os.path.dirname(os.path.abspath(args.json)) if args.json else tempfile.mkdtemp(prefix="rcr-bench-")
         calib = os.path.join(base, "infinigen_calibration")
-        held_out = [build_inputs(proc, [PROMPTS["detailcaps"]], [[image(1000 + i)]]) for i in range(4)]
+        held_out = [build_inputs(proc, [TASKS["detailcaps"].prompt], [[image(1000 + i)]]) for i in range(4)]
         skews, cols, stats = calibrate(model, held_out, 0.25)
-        save_calibration(calib, skews, cols, {"command": "python benchmarks/reads_per_step.py " + " ".join(
+        save_calibration(calib, skews, cols, {"command": "python -m benchmarks.reads_per_step " + " ".join(
             sys.argv[1:] if argv is None else argv), "model": name, "prompts": "4 held-out images (index 1000+)",
-            "prompt": PROMPTS["detailcaps"], **stats})
-    cfg = rcr.RCRConfig(infinigen_calibration=calib)  # the paper's budget and defaults
-    methods = [m for m in args.methods.split(",") if m]
+            "prompt": TASKS["detailcaps"].prompt, **stats})
+    cfg = rcr.RCRConfig()  # the paper's budget and defaults
+    labels = [m for m in args.methods.split(",") if m]
+    built = {m: rcr.parse_method(m, cfg) for m in labels}
+    if calib is not None and "infinigen" in built:  # its offline calibration
+        built["infinigen"] = rcr.methods.InfiniGen(config=cfg, calibration=calib)
+    methods = list(built.values())
     elt = next(model.parameters()).element_size()
-    rows: dict[str, list[dict]] = {m: [] for m in methods}
-    off_rows: dict[str, list[dict]] = {m: [] for m in OFFLOAD if m in methods}
+    rows: dict[str, list[dict]] = {m: [] for m in labels}
+    off_rows: dict[str, list[dict]] = {m: [] for m in OFFLOAD if m in labels}
     t0 = time.perf_counter()
     for i in range(args.samples):
-        inputs = build_inputs(proc, [PROMPTS["detailcaps"]], [[image(i)]])
+        inputs = build_inputs(proc, [TASKS["detailcaps"].prompt], [[image(i)]])
         res = rcr.generate(model, inputs, method=methods, max_new_tokens=args.max_new_tokens, config=cfg,
                            ignore_eos=True)
         off = rcr.generate(model, inputs, method=list(off_rows), max_new_tokens=args.max_new_tokens,
                            config=cfg.replace(offload=True), ignore_eos=True) if off_rows else {}
-        for m in methods:
+        for m in labels:
             s = telemetry_summary(res[m].sample(0))
             rows[m].append(dict(np_=int(res[m].prefix_len[0]), r=s["refresh_fraction"], k=s["keys_read_per_step"],
                                 v=s["values_read_per_step"], dots=s["detector_dots_per_step"],
@@ -148,13 +146,13 @@ def main(argv=None) -> int:
             off_rows[m].append(dict(r=s["refresh_fraction"], bytes=s["bytes_moved_per_step"], layers=layers))
     wall = time.perf_counter() - t0
 
-    np_mean = float(np.mean([r["np_"] for r in rows[methods[0]]]))
+    np_mean = float(np.mean([r["np_"] for r in rows[labels[0]]]))
     print(f"model: {name}  ({geo.n_layers} layers, {geo.n_q_heads} q / {geo.n_kv_heads} KV heads, d={geo.head_dim}, "
           f"{elt}-byte elements)")
     print(f"InfiniGen calibration: {calib or 'per sample, from its own prefill'}")
     print(f"samples: {args.samples} x {args.max_new_tokens} new tokens, prefix Np = {np_mean:.0f} entries per KV head; "
-          f"budget {cfg.selected} selected + {cfg.window} window, {cfg.candidates} candidates, rank {cfg.rank}, "
-          f"page {cfg.page_size}; wall {wall:.0f} s")
+          f"budget {cfg.selected} selected + {cfg.window} window, {RCR.candidates} candidates, rank {RCR.rank}, "
+          f"page {Quest.page_size}; wall {wall:.0f} s")
     print()
     print("Prefix reads per KV head per re-selected layer-step (keys + values), measured vs cost model and the RCR "
           "paper; ArkVale's own recalls apart")
@@ -164,7 +162,7 @@ def main(argv=None) -> int:
     print("-" * len(hdr))
     out = {"model": name, "geometry": vars(geo), "np": np_mean, "config": cfg.to_dict(), "methods": {},
            "offload": {}}
-    for m in methods:
+    for m in labels:
         rr = rows[m]
         r = float(np.mean([x["r"] for x in rr]))
         k = float(np.mean([x["k"] for x in rr]))
@@ -172,8 +170,7 @@ def main(argv=None) -> int:
         dots = float(np.mean([x["dots"] for x in rr]))
         recalled = float(np.mean([x["recalled"] for x in rr]))
         match = float(np.mean([x["match"] for x in rr]))
-        label = m.split("@")[0]
-        formula, vec, dmodel, paper = model_reads(label, np_mean, r, cfg, geo.head_dim)
+        formula, vec, dmodel, paper = model_reads(built[m], np_mean, r, geo.head_dim)
         own = "-" if np.isnan(recalled) else f"{recalled:.1f}"
         print(f"{m:<15}{r:>7.3f}{k:>9.1f}{v:>9.1f}{k + v:>9.1f}   {formula:<7}{vec:>10.1f}{paper:>13}{own:>10}"
               f"{dots:>12.1f}{dmodel:>12.1f}{(dots / np_mean if np_mean else 0):>9.3f}{match:>11.2f}")
@@ -187,15 +184,15 @@ def main(argv=None) -> int:
         print(hdr)
         print("-" * len(hdr))
         n_sel = max(x["layers"] for rr in off_rows.values() for x in rr)
-        per_r = n_sel * geo.n_kv_heads * (cfg.candidates + cfg.selected) * geo.head_dim * elt
+        per_r = n_sel * geo.n_kv_heads * (RCR.candidates + cfg.selected) * geo.head_dim * elt
         for m, rr in off_rows.items():
             r = float(np.mean([x["r"] for x in rr]))
             b = float(np.mean([x["bytes"] for x in rr]))
             model_b = per_r * r
             print(f"{m:<15}{r:>7.3f}{b:>13.0f}{model_b:>13.0f}{(b / model_b if model_b else float('nan')):>7.3f}"
-                  f"{per_r * cfg.rho:>11.0f}")
+                  f"{per_r * RCR.rho:>11.0f}")
             out["offload"][m] = dict(refresh_fraction=r, bytes_per_step=b, model_bytes=model_b,
-                                     model_bytes_at_rho=per_r * cfg.rho)
+                                     model_bytes_at_rho=per_r * RCR.rho)
         print(f"(model: L'·Hkv·160·r·d·s = {n_sel}·{geo.n_kv_heads}·160·r·{geo.head_dim}·{elt} bytes, L' the "
               f"re-selected layers of {geo.n_layers})")
     if args.json:

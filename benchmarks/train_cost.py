@@ -1,35 +1,32 @@
 """What a fresh `python jobs/train_embedded.py` costs on this machine, measured without training to the end.
 
-Each training step's batch is a pure function of (seed, step) (``pipeline/embedded/curriculum.py``), and a step's
+Each training step's batch is a pure function of (seed, step) (``embedded/curriculum.py``), and a step's
 time depends on its batch (task, scene, text length), not on the weights. So ``--per-phase`` steps drawn evenly
 from each stage and curriculum phase are timed on a fresh model (one untimed step first), and the projected total
 is each phase's mean step time times its number of steps. Run it on an otherwise idle machine: a training run must
 be paused (``kill -STOP``) while it measures, and the load average is printed before and after. Other arguments
 are the trainer's recipe flags.
 
-    python benchmarks/train_cost.py                          # the shipped recipe, at its thread count
-    python benchmarks/train_cost.py --per-phase 12 --steps 6000
+    python -m benchmarks.train_cost                          # the shipped recipe, at its thread count
+    python -m benchmarks.train_cost --per-phase 12 --steps 6000
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pipeline.embedded import cli, train  # noqa: E402
-from pipeline.embedded.assets import build_processor, build_tokenizer  # noqa: E402
-from pipeline.embedded.batches import BatchBuilder  # noqa: E402
-from pipeline.embedded.curriculum import CURRICULUM  # noqa: E402
-from pipeline.embedded.loops import Meter, Polisher, Trainer  # noqa: E402
-from pipeline.embedded.vision import VisionPretrainer  # noqa: E402
+from embedded import cli, train
+from embedded.assets import build_processor, build_tokenizer
+from embedded.batches import BatchBuilder
+from embedded.curriculum import CURRICULUM
+from embedded.loops import Meter, Polisher, Trainer
+from embedded.vision import VisionPretrainer
 
 
 def timed(stage: Trainer, steps) -> float:

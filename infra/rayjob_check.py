@@ -8,7 +8,7 @@
    unknown fields refused, as ``kubectl apply`` does by default (``--validate=strict``): an object schema
    that lists its properties is closed. The CRD's few CEL rules (``x-kubernetes-validations``, on deletion
    policies and ``managedBy``) are the API server's and are not evaluated here.
-3. Resources: the entrypoint is read by the job's own config (``JobConfig.from_args``). The nodes are the head
+3. Resources: the entrypoint is read by the job's own config (``pipeline.run.cli.job_config``). The nodes are the head
    and ``replicas`` of each worker group, each with the CPUs and GPUs that KubeRay hands to ``ray start``
    (``rayStartParams`` num-cpus / num-gpus, else the container's limits). The driver's resource plan
    (``pipeline/run/placement.py``) must place the actors on them, a group's ``num-gpus`` must equal its
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from pipeline.run.cli import job_config
+from pipeline.run.config import ConfigError, JobConfig
+from pipeline.run.placement import Node, plan_actors
 
-from pipeline.run.config import ConfigError, JobConfig  # noqa: E402
-from pipeline.run.placement import Node, plan_actors  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 CRD = REPO / "infra" / "kuberay" / "ray.io_rayjobs.yaml"
 CRD_README = REPO / "infra" / "kuberay" / "README.md"
@@ -120,7 +120,7 @@ def entrypoint_config(entrypoint: str) -> JobConfig:
     task = Path(argv[1]).stem if len(argv) > 1 else ""
     if argv[0] != "python" or task not in JOBS or not (REPO / argv[1]).is_file():
         raise ConfigError("entrypoint", f"expected 'python jobs/<{'|'.join(JOBS)}>.py ...', got {entrypoint!r}")
-    return JobConfig.from_args(argv[2:], task=task)
+    return job_config(argv[2:], task=task)
 
 
 def resource_errors(doc: dict) -> list[str]:

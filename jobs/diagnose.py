@@ -3,15 +3,10 @@
     python jobs/diagnose.py                                        # the embedded default, a few minutes
     python jobs/diagnose.py --model Qwen/Qwen2-VL-7B-Instruct --shards /data/shards/detailcaps --device cuda
 
-It takes the jobs' flags (``--help``); one table, a Parquet directory, one MLflow run.
+It takes the jobs' flags (``--help``); one table, a Parquet directory, one MLflow run. Installed: ``rcr-diagnose``.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pipeline.diagnose.run import main  # noqa: E402
+from pipeline.diagnose.run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -35,6 +35,11 @@ TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
 PROGRESS_OFF_NOTICE = "Progress bars disabled"
 
 
+def say(msg: str) -> None:
+    """One line of the job's own output (``[rcr-job] ...``), flushed at once."""
+    print(f"[rcr-job] {msg}", flush=True)
+
+
 class _DropMessage(logging.Filter):
     def __init__(self, text: str):
         super().__init__()

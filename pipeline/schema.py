@@ -12,7 +12,7 @@ synthetic embedded default):
 field          type                    meaning
 =============  ======================  ==========================================================
 sample_id      string, not null        unique within a source
-task           string, not null        one of ``TASKS`` (``detailcaps``, ``textcaps``, ``video``)
+task           string, not null        a registered task (``pipeline/tasks/``)
 prompt         string, not null        the user prompt sent with the image(s)
 images         list<binary>, not null  encoded image bytes (PNG/JPEG/...); one per frame for video
 references     list<string>, not null  reference descriptions, possibly empty
@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.tasks import TASKS
+
 # ------------------------------------------------------------------------------------------- input
-TASKS = ("detailcaps", "textcaps", "video")
 
 INPUT_SCHEMA = pa.schema(
     [
@@ -94,7 +95,8 @@ def validate_input_table(table: pa.Table, where: str = "input table") -> pa.Tabl
     tasks = table.column("task").to_pylist()
     for i, t in enumerate(tasks):
         if t not in TASKS:
-            raise SchemaError(f"{where}: column 'task' has unknown task {t!r} in row {i}; expected one of {TASKS}")
+            raise SchemaError(f"{where}: column 'task' has unknown task {t!r} in row {i}; "
+                              f"expected one of {', '.join(TASKS)}")
     for i, imgs in enumerate(table.column("images").to_pylist()):
         if not imgs:
             raise SchemaError(f"{where}: column 'images' is empty in row {i}")

@@ -24,8 +24,10 @@ import numpy as np
 import torch
 
 from .attention import rcr_attention_enabled
-from .models import PROMPTS, adapter_for, build_inputs, geometry
-from .skewing import check_orthogonal, n_partial, partial_columns, save_calibration, skew_from_grams
+from .models import adapter_for, build_inputs, geometry
+from .skewing import check_orthogonal, n_partial, partial_columns, save_calibration, skew_from_grams, weights_digest
+
+DEFAULT_PROMPT = "Describe this image in detail."  # DetailCaps' prompt (lmms-eval's detailcaps task)
 
 
 def synthetic_scene(seed: int, size: int = 448):
@@ -109,6 +111,24 @@ def calibrate(model, inputs_list: list, partial_ratio: float = 0.25, window: int
     return skews, cols, stats
 
 
+def calibrate_to_dir(model, inputs_list: list, out_dir: str, partial_ratio: float = 0.25, window: int = 32,
+                     meta: dict | None = None) -> dict:
+    """:func:`calibrate`, then write ``out_dir`` (``rcr.skewing.save_calibration``) with ``calibration.json`` =
+    ``meta`` (its ``description`` is what decodes report) plus the partial ratio, the dtype, the library versions,
+    the time, and, for a model loaded from a local directory, the digest of its weights (``model_sha256``: the
+    directory's calibration is used only for those weights). Returns that meta."""
+    import transformers
+
+    skews, cols, stats = calibrate(model, inputs_list, partial_ratio, window)
+    src = getattr(model, "name_or_path", None)
+    meta = {**(meta or {}), "partial_ratio": partial_ratio, "dtype": str(next(model.parameters()).dtype),
+            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "rcr_commit": _git_commit(), "torch": torch.__version__, "transformers": transformers.__version__,
+            **({"model_sha256": weights_digest(src)} if src and os.path.isdir(src) else {}), **stats}
+    save_calibration(out_dir, skews, cols, meta)
+    return meta
+
+
 def _git_commit() -> str | None:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -125,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output directory (give this to RCRConfig.infinigen_calibration)")
     ap.add_argument("--images", help="directory of images to calibrate on (default: synthetic scenes)")
     ap.add_argument("--n", type=int, default=8, help="number of prompts (default 8)")
-    ap.add_argument("--prompt", default=PROMPTS["detailcaps"], help="text prompt after the image")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT,
+                    help=f"text prompt after the image (default: {DEFAULT_PROMPT!r})")
     ap.add_argument("--image-size", type=int, default=448, help="synthetic scene size in pixels (default 448)")
     ap.add_argument("--partial-ratio", type=float, default=0.25,
                     help="partial columns as a fraction of the head dim (default 0.25: Np/4 key equivalents)")
@@ -156,25 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         source = {"synthetic_scenes": {"n": args.n, "seed": args.seed, "size": args.image_size}}
         description = f"{args.n} synthetic scenes of rcr.calibrate_infinigen (seed {args.seed}, {args.image_size} px)"
     inputs_list = [build_inputs(processor, [args.prompt], [[img]]) for img in images]
-    skews, cols, stats = calibrate(model, inputs_list, args.partial_ratio)
-    import transformers
-
-    meta = {
-        "command": "python -m rcr.calibrate_infinigen " + shlex.join(argv),
-        "cwd": os.getcwd(),
-        "model": args.model,
-        "prompt": args.prompt,
-        "source": source,
-        "description": f"offline: {description}",
-        "partial_ratio": args.partial_ratio,
-        "dtype": str(next(model.parameters()).dtype),
-        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "rcr_commit": _git_commit(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        **stats,
-    }
-    save_calibration(args.out, skews, cols, meta)
+    stats = calibrate_to_dir(model, inputs_list, args.out, args.partial_ratio, meta={
+        "command": "python -m rcr.calibrate_infinigen " + shlex.join(argv), "cwd": os.getcwd(), "model": args.model,
+        "prompt": args.prompt, "source": source, "description": f"offline: {description}"})
     print(f"wrote {os.path.join(os.path.abspath(args.out), 'infinigen.safetensors')}: {stats['n_layers']} layers x "
           f"{stats['n_kv_heads']} KV heads, skew {stats['head_dim']}x{stats['head_dim']}, "
           f"{stats['partial_columns']} partial columns, {stats['n_tokens']} tokens from {stats['n_prompts']} prompts")

@@ -21,10 +21,10 @@ from .attention import attend, rcr_attention_enabled
 from .cache import PrefixLayer, PrefixStore, ResidentCache, ResidentLayer, tensors_in
 from .config import ConfigError, RCRConfig
 from .fused import available as fused_kernels_available
-from .methods import BuildContext, Full, Method, StepContext, parse_method
+from .methods import BuildContext, Full, Method, parse_method
 from .models import adapter_for, geometry, window_over
-from .offload import HostReader, ResidentReader
-from .scoring import group_queries, logits, masked_lse
+from .offload import HostReader
+from .session import DecodeSession
 from .telemetry import HostTelemetry, Telemetry
 
 # ----------------------------------------------------------------------------------------------- prefill
@@ -45,7 +45,6 @@ class _PrefillRecorder:
 def prefill(model, inputs, config: RCRConfig | None = None) -> PrefixStore:
     config = config or RCRConfig()
     geo = geometry(model)
-    config.check_model(geo.head_dim)
     adapter = adapter_for(model)
     inputs = inputs.to(model.device)
     position_ids, next_position = adapter.prefill_positions(model, inputs)
@@ -65,62 +64,6 @@ def prefill(model, inputs, config: RCRConfig | None = None) -> PrefixStore:
 
 
 # ------------------------------------------------------------------------------------------------ decode
-
-class DecodeSession:
-    """Attention hook for decoding one method: decide, merge, record, attend."""
-
-    def __init__(self, method: Method, prefix: PrefixStore, cache: ResidentCache, state, telemetry: Telemetry,
-                 masked: bool, reader=None, windows: list[int | None] | None = None):
-        self.method, self.prefix, self.cache, self.state, self.tel = method, prefix, cache, state, telemetry
-        # per layer, the sliding window over this decode's context (``layer_windows``); None: a global layer
-        self.windows = [pl.sliding_window for pl in prefix.layers] if windows is None else windows
-        # any invalid slot in the batch (left padding, or static mode's unwritten slots); decided once, at build
-        self.masked = masked
-        # how the method's reads reach the device; in offload mode the method sees the host-memory store
-        self.reader = reader or ResidentReader(prefix)
-        self.method_prefix = self.reader.prefix
-        self.step = 0  # the decode step: an int, or a (1,) device tensor in a compiled (static) decode
-        cfg = method.config
-        self.exact_stats = (cfg.exact_drift or telemetry.top_prefix_pos is not None) and prefix.n_prefix > 0
-        self.decides = method.reselects and prefix.n_prefix > 0
-        self.cost = method.cost_model(prefix, state)  # read once: reads per refresh, for the telemetry
-
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        layer = module.layer_idx
-        res = self.cache.layers[layer]
-        window = self.windows[layer]  # a windowed layer keeps its whole prefix: no decision
-        if self.exact_stats and window is None:
-            self._record_exact(layer, query, res)
-        if self.decides and window is None:
-            d = self.method.decide(StepContext(layer=layer, step=self.step, query=query, resident=res,
-                                               prefix=self.method_prefix, state=self.state,
-                                               config=self.method.config, reader=self.reader))
-            self.method.merge(res, d)
-            self.tel.record_decision(layer, self.step, d, self.cost)
-        valid = res.resident_valid if self.masked else None
-        if window is not None:  # its slots are the whole sequence in order: the last `window` are visible
-            valid = res.in_window(window)
-        return attend(query, res.resident_keys, res.resident_values, valid, scaling), None
-
-    def _record_exact(self, layer: int, query: torch.Tensor, res: ResidentLayer) -> None:
-        """Exact drift and the most-attended prefix position, w.r.t. the selection in force at step start."""
-        p = self.prefix
-        k_p, _ = p.prefix_kv(layer)
-        qg = group_queries(query, p.n_kv_heads)
-        lg_p = logits(qg, k_p, p.scaling)  # (B, Hkv, G, Np)
-        lg_res = logits(qg, res.resident_keys, p.scaling)
-        if self.tel.drift_exact is not None:
-            lse_ev = masked_lse(lg_p, res.evicted_mask())
-            lse_res = masked_lse(lg_res, res.resident_valid)
-            self.tel.put(self.tel.drift_exact, layer, self.step, torch.sigmoid(lse_ev - lse_res).mean(dim=(1, 2)))
-        if self.tel.top_prefix_pos is not None:
-            S = res.n_selected  # attention over the full context: the whole prefix + window + generated
-            lse_all = torch.logaddexp(masked_lse(lg_p, p.prefix_valid.unsqueeze(1)),
-                                      masked_lse(lg_res[..., S:], res.resident_valid[..., S:]))
-            probs = torch.exp(lg_p - lse_all.unsqueeze(-1)).mean(dim=(1, 2))  # (B, Np), mean over all heads
-            probs = probs.masked_fill(~p.prefix_valid, -1.0)
-            self.tel.put(self.tel.top_prefix_pos, layer, self.step, probs.argmax(-1) - p.pad)
-
 
 @dataclass
 class GenerationResult:
@@ -186,7 +129,8 @@ class Decoder:
     def __init__(self, model, prefix: PrefixStore, method: Method, max_new_tokens: int, eos_token_id=None,
                  pad_token_id: int = 0, reference_scores=None):
         if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+            raise ConfigError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+        method.check_model(prefix.head_dim)
         self.model, self.prefix, self.method = model, prefix, method
         self.adapter = adapter_for(model)
         self.max_new_tokens = max_new_tokens
@@ -360,7 +304,7 @@ def _token_ids(model, eos_token_id, pad_token_id):
 
 
 @torch.no_grad()
-def generate(model, inputs, method: str | list[str] = "rcr", max_new_tokens: int = 512,
+def generate(model, inputs, method: str | Method | list[str | Method] = "rcr", max_new_tokens: int = 512,
              config: RCRConfig | None = None, eos_token_id: int | list[int] | None = None,
              pad_token_id: int | None = None, ignore_eos: bool = False):
     """Greedy generation with one method (returns a :class:`GenerationResult`) or several (returns a dict
@@ -368,17 +312,28 @@ def generate(model, inputs, method: str | list[str] = "rcr", max_new_tokens: int
     always when a method needs the uncompressed answer (``prefill_oracle``).
 
     ``inputs``: the processor's output for a left-padded batch (``input_ids``, ``attention_mask``, pixel
-    values, grids...). Method labels and the config are validated before any model work.
+    values, grids...). ``method``: labels (``"rcr"``, ``"rcr@rho=0.3"``, ``"fixed@0.05"``) built with ``config``,
+    or Method instances (prepared ones, e.g. InfiniGen after ``prepare``), keyed by their labels. Labels, knobs
+    and the config are validated before any model work.
     """
-    config = config or RCRConfig()
-    labels = [method] if isinstance(method, str) else list(method)
+    single = isinstance(method, (str, Method))
+    given = [method] if single else list(method)
+    config = config or next((m.config for m in given if isinstance(m, Method)), None) or RCRConfig()
+    parsed = [parse_method(m, config) for m in given]
+    labels = [m.label for m in parsed]
     if not labels:
-        raise ConfigError("method=[]: give at least one method")
+        raise ConfigError("method", "give at least one method, got []")
     if len(set(labels)) != len(labels):
-        raise ConfigError(f"method={labels}: duplicate labels")
-    methods = {label: parse_method(label, config) for label in labels}
+        raise ConfigError("method", f"duplicate labels in {labels}")
+    methods = dict(zip(labels, parsed))
     if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        raise ConfigError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+    head_dim = geometry(model).head_dim
+    for m in parsed:
+        if m.config != config:
+            raise ConfigError("method", f"{m.label!r} was built with another RCRConfig than the one given: the "
+                                        "prefill and every method share one")
+        m.check_model(head_dim)
     eos, pad = _token_ids(model, [] if ignore_eos else eos_token_id, pad_token_id)
 
     t0 = time.perf_counter()
@@ -395,4 +350,4 @@ def generate(model, inputs, method: str | list[str] = "rcr", max_new_tokens: int
     for label, m in methods.items():
         if label != "full":
             results[label] = decode(model, prefix, m, max_new_tokens, eos, pad, reference, prefill_s=prefill_s)
-    return results[labels[0]] if isinstance(method, str) else {label: results[label] for label in labels}
+    return results[labels[0]] if single else {label: results[label] for label in labels}

@@ -1,4 +1,4 @@
-"""What differs between the supported model families: where the text layers are, true positions, prompts.
+"""What differs between the supported model families: where the text layers are, true positions, loading.
 
 Families (by ``model_type``): Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE use M-RoPE (three position rows,
 from the model's own ``get_rope_index``); LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL and Gemma 3 use 1-D
@@ -16,12 +16,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
-PROMPTS = {
-    "detailcaps": "Describe this image in detail.",
-    "textcaps": "Provide a one-sentence caption for the provided image.",
-    "video": "Describe what happens in this video.",
-}
 
 
 @dataclass(frozen=True)

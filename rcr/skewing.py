@@ -8,7 +8,9 @@ run it twice).
 
 A calibration directory holds ``infinigen.safetensors`` (per layer l: ``skew.l`` (Hkv, d, d) fp32 and
 ``cols.l`` (Hkv, c) long) and ``calibration.json`` (how it was made; its ``description`` is what a decode
-reports as ``GenerationResult.cost["calibration"]``, with the tensor file's sha256).
+reports as ``GenerationResult.cost["calibration"]``, with the tensor file's sha256). A checkpoint directory may
+carry one as ``infinigen_calibration/`` (the embedded model does): it is used when its ``model_sha256`` is the
+digest of the checkpoint's weights (:func:`weights_digest`), and refused as stale otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .fileio import atomic_path
 
 CALIBRATION_TENSORS = "infinigen.safetensors"
 CALIBRATION_META = "calibration.json"
+SHIPPED_DIR = "infinigen_calibration"  # a calibration inside a checkpoint directory
 PER_SAMPLE = "per_sample"  # RCRConfig.infinigen_calibration: each sample calibrated from its own prefill
 ORTHO_TOL = 1e-4
 
@@ -64,37 +67,83 @@ def n_partial(ratio: float, head_dim: int) -> int:
     return max(1, round(ratio * head_dim))
 
 
-def save_calibration(out_dir: str, skews: list[torch.Tensor], cols: list[torch.Tensor], meta: dict) -> None:
-    """skews[l] (Hkv, d, d) fp32, cols[l] (Hkv, c) long. Writes both files atomically (``rcr.fileio``)."""
+def _serialize(skews: list[torch.Tensor], cols: list[torch.Tensor]) -> bytes:
+    """The tensor file's bytes (safetensors): what :func:`calibration_digest` hashes."""
     from safetensors.torch import save
 
-    os.makedirs(out_dir, exist_ok=True)
     tensors = {}
     for layer, (a, c) in enumerate(zip(skews, cols)):
         check_orthogonal(a, f"skew matrix of layer {layer}")
         tensors[f"skew.{layer}"] = a.float().contiguous().cpu()
         tensors[f"cols.{layer}"] = c.long().contiguous().cpu()
+    return save(tensors)
+
+
+def tensors_digest(skews: list[torch.Tensor], cols: list[torch.Tensor]) -> str:
+    """The digest a calibration held in memory would have as a file (:func:`calibration_digest`)."""
+    return _digest(_serialize(skews, cols))
+
+
+def save_calibration(out_dir: str, skews: list[torch.Tensor], cols: list[torch.Tensor], meta: dict) -> None:
+    """skews[l] (Hkv, d, d) fp32, cols[l] (Hkv, c) long. Writes both files atomically (``rcr.fileio``)."""
+    os.makedirs(out_dir, exist_ok=True)
     with atomic_path(os.path.join(out_dir, CALIBRATION_TENSORS), "wb") as fh:
-        fh.write(save(tensors))
+        fh.write(_serialize(skews, cols))
     with atomic_path(os.path.join(out_dir, CALIBRATION_META), "w") as fh:
         json.dump(meta, fh, indent=2, sort_keys=True)
 
 
-def _tensor_file(path: str) -> str:
+def _tensor_file(path: str, owner: str = "infinigen") -> str:
     f = os.path.join(path, CALIBRATION_TENSORS)
     if not os.path.isfile(f):
-        raise ConfigError(f"RCRConfig.infinigen_calibration={path!r}: no {CALIBRATION_TENSORS} there; "
-                          "write one with `python -m rcr.calibrate_infinigen --model PATH --out DIR`")
+        raise ConfigError(f"{owner}.calibration", f"no {CALIBRATION_TENSORS} in {path!r}; write one with "
+                                                  "`python -m rcr.calibrate_infinigen --model PATH --out DIR`")
     return f
+
+
+def weights_digest(model_dir: str | os.PathLike) -> str:
+    """sha256 (16 hex digits) of a checkpoint's weights: its ``*.safetensors`` files' bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        with open(os.path.join(model_dir, name), "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def shipped_calibration(model_dir: str | os.PathLike | None, owner: str = "infinigen") -> str | None:
+    """The calibration a checkpoint directory carries (``<model_dir>/infinigen_calibration``), or None. A ConfigError
+    when it was made for other weights (its ``model_sha256`` is not :func:`weights_digest` of the checkpoint)."""
+    if not model_dir or not os.path.isdir(model_dir):
+        return None
+    d = os.path.join(model_dir, SHIPPED_DIR)
+    if not os.path.isfile(os.path.join(d, CALIBRATION_TENSORS)):
+        return None
+    made_for, these = calibration_meta(d, owner).get("model_sha256"), weights_digest(model_dir)
+    if made_for != these:
+        raise ConfigError(f"{owner}.calibration", f"the calibration shipped in {d} was made for other weights (model "
+                                                  f"sha256 {made_for}, these are {these}); write it again with "
+                                                  f"`python -m rcr.calibrate_infinigen --model {model_dir} --out {d}`")
+    return d
+
+
+def calibration_meta(path: str, owner: str = "infinigen") -> dict:
+    """A calibration directory's ``calibration.json`` plus ``sha256``, its tensor file's digest."""
+    meta_f = os.path.join(path, CALIBRATION_META)
+    meta = {}
+    if os.path.isfile(meta_f):
+        with open(meta_f) as fh:
+            meta = json.load(fh)
+    return {**meta, "sha256": calibration_digest(path, owner)}
 
 
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def calibration_digest(path: str) -> str:
+def calibration_digest(path: str, owner: str = "infinigen") -> str:
     """sha256 (first 16 hex digits) of a calibration directory's tensor file: what the output rows record."""
-    with open(_tensor_file(path), "rb") as fh:
+    with open(_tensor_file(path, owner), "rb") as fh:
         return _digest(fh.read())
 
 
@@ -112,10 +161,5 @@ def load_calibration(path: str) -> tuple[list[torch.Tensor], list[torch.Tensor],
     cols = [t[f"cols.{i}"] for i in range(n)]
     for i, a in enumerate(skews):
         check_orthogonal(a, f"skew matrix of layer {i} in {f}")
-    meta_f = os.path.join(path, CALIBRATION_META)
-    meta = {}
-    if os.path.isfile(meta_f):
-        with open(meta_f) as fh:
-            meta = json.load(fh)
-    meta["sha256"] = _digest(data)
+    meta = calibration_meta(path)
     return skews, cols, meta

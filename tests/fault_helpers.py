@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from pipeline.run import driver
-from pipeline.run.config import JobConfig
+from pipeline.run.cli import job_config
 from tests import inline_driver
 from tests.pipeline_helpers import PY, REPO, fake_model_dir, synthetic_records, write_shard
 
@@ -42,7 +42,7 @@ def run_inline(argv: list[str]) -> dict:
     mp = pytest.MonkeyPatch()
     try:
         inline_driver.install(mp.setattr)
-        return driver.run(JobConfig.from_args(argv, task="detailcaps"))
+        return driver.run(job_config(argv, task="detailcaps"))
     finally:
         mp.undo()
 
@@ -94,6 +94,6 @@ def assert_one_parent_one_child_per_method(uri: str) -> None:
 
 
 def backfill(out: Path, uri: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "jobs.backfill_mlflow", "--output-dir", str(out), "--tracking-uri", uri,
+    return subprocess.run([PY, "jobs/backfill_mlflow.py", "--output-dir", str(out), "--tracking-uri", uri,
                            "--bootstrap-resamples", "200", "--no-summary"], cwd=REPO, capture_output=True, text=True,
                           env=subprocess_env(), check=False)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.run import driver, store
+from pipeline.run import driver, ray_stages, store
 from pipeline.run.actor import SampleEvaluator
 from pipeline.run.select import select_planned
 from pipeline.schema import INPUT_SCHEMA
@@ -65,8 +65,8 @@ class InlineDataset:
 def install(patch=None) -> None:
     """Replace the driver's two Ray calls (``patch`` is pytest's ``monkeypatch.setattr``, else plain setattr)."""
     set_ = patch or setattr
-    set_(driver, "_ray_init", lambda cfg: _NoRay)
-    set_(driver, "_build_dataset", lambda ray, cfg, paths, plan, res, calibration_payload=None:
+    set_(ray_stages, "init_ray", lambda cfg: _NoRay)
+    set_(ray_stages, "build_dataset", lambda ray, cfg, paths, plan, res, calibration_payload=None:
          InlineDataset(cfg, paths, plan, res, calibration_payload))
 
 

@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.pipeline_helpers import PY, REPO, free_port, kill_leftovers
+from tests.pipeline_helpers import PY, REPO
+from tests.ray_head import free_port, kill_leftovers
 
 # Node death is noticed by the GCS's health checks: every 1 s, dead after 3 misses (Ray's defaults: 3 s x 5)
 HEALTH_CHECK = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,

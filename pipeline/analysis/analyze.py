@@ -39,7 +39,6 @@ What is measured, and with what (also in ``Analysis.meta`` and logged to MLflow)
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,14 +49,12 @@ from scipy import stats as _scistats
 from pipeline.analysis import fixed_tuning
 from pipeline.analysis.bootstrap import bootstrap_means, paired_bootstrap
 from pipeline.analysis.labels import BASELINES, EXACT, FIXED, FULL, RCR, TERCILE_METHODS, order_methods, parse_sweep_tau
-from pipeline.analysis.telemetry import as_2d, model_series, numeric, top_position_stability
-from pipeline.analysis.text_metrics import CIDER_DESC, FIDELITY_DESC, REF_ROUGE_DESC, cider_scores, rouge_pairs
+from pipeline.analysis.per_sample import per_sample, reference_coverage
+from pipeline.analysis.telemetry import as_2d, model_series, top_position_stability
+from pipeline.analysis.text_metrics import CIDER_DESC, FIDELITY_DESC, REF_ROUGE_DESC
 from pipeline.schema import ROW_SUMMARIES, Col
 
 REQUIRED = (Col.SAMPLE_ID, Col.METHOD, Col.OUTPUT_TEXT)  # the columns analyze() cannot do without
-# which row's mean drift is "the sample's mean drift" for the tercile / correlation analyses, in order
-DRIFT_SOURCES = ((FIXED, Col.MEAN_DRIFT), (RCR, Col.MEAN_DRIFT), (EXACT, Col.MEAN_DRIFT),
-                 (RCR, Col.MEAN_DRIFT_EXACT), (EXACT, Col.MEAN_DRIFT_EXACT))
 # per-method means of the rows' summaries (besides refresh_fraction, which gets a CI); each method's MLflow
 # run logs them, so a new float column in the schema reaches the tables and MLflow with no edit here
 METHOD_MEANS = (*(c for c in ROW_SUMMARIES if c != Col.REFRESH_FRACTION), "reads_per_step", Col.N_STEPS)
@@ -107,53 +104,6 @@ class Analysis:
 
 
 
-def _fidelity_column(d: pd.DataFrame, n_jobs: int | None = None) -> pd.Series:
-    """ROUGE-L F1 of every row's output against the ``full`` output of the same (model, sample)."""
-    full = d[d[Col.METHOD] == FULL]
-    ref = {(m, s): t for m, s, t in zip(model_series(full), full[Col.SAMPLE_ID], full[Col.OUTPUT_TEXT])}
-    keys = []
-    for m, s, t in zip(model_series(d), d[Col.SAMPLE_ID], d[Col.OUTPUT_TEXT]):
-        r = ref.get((m, s), _NO_REF)
-        keys.append(None if r is _NO_REF else ("" if r is None else str(r), "" if t is None else str(t)))
-    uniq = sorted({k for k in keys if k is not None})
-    scores = dict(zip(uniq, rouge_pairs(uniq, n_jobs)))
-    return pd.Series([np.nan if k is None else scores[k] for k in keys], index=d.index, dtype=float)
-
-
-_NO_REF = object()
-
-
-def _ref_rouge_column(d: pd.DataFrame, n_jobs: int | None = None) -> list[float]:
-    """Max ROUGE-L F1 over each row's references (rows given all have references)."""
-    keys = [[(str(r), "" if t is None else str(t)) for r in refs if r is not None]
-            for refs, t in zip(d[Col.REFERENCES], d[Col.OUTPUT_TEXT])]
-    uniq = sorted({k for ks in keys for k in ks})
-    scores = dict(zip(uniq, rouge_pairs(uniq, n_jobs)))
-    return [max(scores[k] for k in ks) if ks else np.nan for ks in keys]
-
-
-def _has_refs(x) -> bool:
-    if x is None:
-        return False
-    try:
-        return len(x) > 0
-    except TypeError:
-        return False
-
-
-def _sample_drift(d: pd.DataFrame) -> tuple[pd.Series, str | None]:
-    """Per (model, sample) mean drift from the first available source in DRIFT_SOURCES."""
-    for method, col in DRIFT_SOURCES:
-        if col not in d:
-            continue
-        g = d[(d[Col.METHOD] == method)]
-        v = numeric(g, col)
-        if v.notna().any():
-            key = list(zip(model_series(g), g[Col.SAMPLE_ID]))
-            return pd.Series(v.to_numpy(), index=pd.MultiIndex.from_tuples(key)), f"{method}.{col}"
-    return pd.Series(dtype=float), None
-
-
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     resamples: int
@@ -175,56 +125,6 @@ def _split_rows(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     d = df[~err_mask].copy()
     dups = d.duplicated([Col.MODEL, Col.SAMPLE_ID, Col.METHOD], keep="last")
     return d[~dups], errors.reset_index(drop=True), int(dups.sum())
-
-
-def _reference_metrics(d: pd.DataFrame, ps: pd.DataFrame, n_jobs: int | None) -> bool | None:
-    """ROUGE-L and CIDEr against the references, into ``ps``; whether CIDEr ran (None: no references)."""
-    has = d[Col.REFERENCES].map(_has_refs)
-    if not has.any():
-        return None
-    ps.loc[has, "rougeL_ref"] = _ref_rouge_column(d[has], n_jobs)
-    try:
-        for _, g in d[has].groupby([Col.MODEL, Col.METHOD], sort=False):
-            ps.loc[g.index, "cider"] = cider_scores(list(g[Col.OUTPUT_TEXT]), [list(r) for r in g[Col.REFERENCES]])
-        return True
-    except ImportError as e:  # pycocoevalcap is in the `pipeline` extra
-        warnings.warn(f"CIDEr skipped: {e}", stacklevel=2)
-        return False
-
-
-def _reference_coverage(d: pd.DataFrame, reference_metrics: bool) -> str:
-    """Which samples the reference metrics cover, for the summary and MLflow: "absent" when no sample has
-    references (e.g. TextCaps' test split), so that no one reads a missing number as a computed one."""
-    if not reference_metrics:
-        return "not computed (reference_metrics=False)"
-    n = d[Col.SAMPLE_ID].nunique()
-    with_refs = d.loc[d[Col.REFERENCES].map(_has_refs), Col.SAMPLE_ID].nunique() if Col.REFERENCES in d else 0
-    if with_refs == 0:
-        return f"absent: none of the {n} samples has references"
-    return f"on {with_refs} of {n} samples" + (" (the others have no references)" if with_refs < n else "")
-
-
-def _per_sample(d: pd.DataFrame, reference_metrics: bool, n_jobs: int | None) -> tuple[pd.DataFrame, bool | None,
-                                                                                        str | None]:
-    """One row per ok (model, sample, method) with its metrics; whether CIDEr ran; the drift source."""
-    ps = pd.DataFrame({"model": d[Col.MODEL], "sample_id": d[Col.SAMPLE_ID], "method": d[Col.METHOD].astype(str)})
-    for c in (Col.TASK, Col.SOURCE):
-        if c in d:
-            ps[c] = d[c]
-    ps["fidelity"] = _fidelity_column(d, n_jobs)
-    ps["rougeL_ref"] = np.nan
-    ps["cider"] = np.nan
-    cider_ok = _reference_metrics(d, ps, n_jobs) if reference_metrics and Col.REFERENCES in d else None
-    for col in (*ROW_SUMMARIES, Col.N_STEPS, Col.PREFILL_S, Col.DECODE_S):
-        ps[col] = numeric(d, col)
-    ps["reads_per_step"] = ps[Col.KEYS_READ_PER_STEP] + ps[Col.VALUES_READ_PER_STEP]
-    full_len = ps[ps.method == FULL].set_index(["model", "sample_id"])["n_steps"]
-    full_len = full_len[~full_len.index.duplicated()]
-    ps["output_len_full"] = full_len.reindex(list(zip(ps.model, ps.sample_id))).to_numpy()
-    drift, drift_src = _sample_drift(d)
-    ps["sample_drift"] = drift.reindex(list(zip(ps.model, ps.sample_id))).to_numpy() if len(drift) else np.nan
-    ps["sweep_tau"] = ps.method.map(parse_sweep_tau).astype(float)
-    return ps.reset_index(drop=True), cider_ok, drift_src
 
 
 def _wide(pm: pd.DataFrame, samples: list[str], methods: list[str]) -> dict[str, pd.DataFrame]:
@@ -333,7 +233,7 @@ def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, 
         n_jobs: processes for the ROUGE-L scoring when there are many pairs (default: CPU count, <= 16).
     """
     d, errors, n_dups = _split_rows(df)
-    ps, cider_ok, drift_src = _per_sample(d, reference_metrics, n_jobs)
+    ps, cider_ok, drift_src = per_sample(d, reference_metrics, n_jobs)
     st = _Settings(bootstrap_resamples, seed, confidence, tuple(baselines))
     n_err = errors.groupby([Col.MODEL, Col.METHOD]).size() if len(errors) else pd.Series(dtype=int)
     models = sorted(set(ps.model) | set(errors[Col.MODEL] if len(errors) else []))
@@ -358,7 +258,7 @@ def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, 
         corr_rows += _correlation_rows(model, pm, methods, samples, wide)
     methods_df = pd.DataFrame(method_rows)
     meta = _meta(st, cider_ok, drift_src, n_rows=len(df), errors=errors, n_dups=n_dups, ps=ps, models=models)
-    meta["reference_metrics"] = _reference_coverage(d, reference_metrics)
+    meta["reference_metrics"] = reference_coverage(d, reference_metrics)
     return Analysis(per_sample=ps, methods=methods_df, terciles=pd.DataFrame(terc_rows, columns=TERCILE_COLUMNS),
                     correlations=pd.DataFrame(corr_rows, columns=CORRELATION_COLUMNS),
                     stability=top_position_stability(df), frontier=_frontier(methods_df), errors=errors, meta=meta,

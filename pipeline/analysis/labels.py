@@ -12,7 +12,8 @@ PREFILL_ORACLE = "prefill_oracle"
 BASELINES = (BACON, RCR)  # every method gets a paired difference from each of these (when present)
 TERCILE_METHODS = (RCR, FIXED, EXACT)
 DEFAULT_TAU_SWEEP = (0.02, 0.03, 0.05, 0.10, 0.15)
-_SWEEP_RE = re.compile(r"^(?P<base>[A-Za-z_]+)@(?P<tau>[0-9.eE+-]+)$")
+# a sweep point: fixed with only its threshold set, as its shorthand or by name (fixed@0.05, fixed@tau=0.05)
+_SWEEP_RE = re.compile(r"^(?P<base>[A-Za-z_]+)@(?:tau=)?(?P<tau>[0-9.eE+-]+)$")
 
 
 def sweep_methods(taus: Iterable[float] = DEFAULT_TAU_SWEEP, base: str = FIXED) -> list[str]:
@@ -25,7 +26,7 @@ def sweep_methods(taus: Iterable[float] = DEFAULT_TAU_SWEEP, base: str = FIXED) 
 
 
 def parse_sweep_tau(method: str) -> float | None:
-    """``"fixed@0.05" -> 0.05``; ``None`` for labels that are not sweep points."""
+    """``"fixed@0.05"`` or ``"fixed@tau=0.05"`` -> 0.05; ``None`` for labels that are not sweep points."""
     m = _SWEEP_RE.match(str(method))
     if not m:
         return None
@@ -46,3 +47,25 @@ def _method_sort_key(m: str) -> tuple:
 
 def order_methods(methods: Iterable[str]) -> list[str]:
     return sorted(set(methods), key=_method_sort_key)
+
+
+def label_knobs(label: str) -> dict[str, str]:
+    """The knobs a label sets, as text: ``"rcr@rho=0.3,step=0.1"`` -> ``{"rho": "0.3", "step": "0.1"}`` (a bare
+    shorthand value, ``fixed@0.05``, is left out: its knob is the method's)."""
+    _, sep, args = str(label).partition("@")
+    return dict(part.split("=", 1) for part in args.split(",") if "=" in part) if sep else {}
+
+
+def target_rho(methods: Iterable[str]) -> float | None:
+    """The target refresh fraction of the job's ``rcr`` (its label's ``rho``, else the knob's default), for the
+    plots' reference line; None when the job runs no ``rcr``."""
+    rcr = [m for m in methods if str(m).partition("@")[0] == RCR]
+    if not rcr:
+        return None
+    text = label_knobs(rcr[0]).get("rho")
+    if text is not None:
+        return float(text)
+    from rcr.methods import RCR as RCRMethod  # the knob's default, where it is defined
+    from rcr.methods.knobs import knob_fields
+
+    return float(knob_fields(RCRMethod)["rho"].default)

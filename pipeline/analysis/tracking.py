@@ -44,63 +44,38 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
-import re
-import subprocess
 import tempfile
-import time
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from pipeline.analysis import fixed_tuning, mlflow_store, mlflow_ui, report
+from pipeline.analysis import fixed_tuning, mlflow_client, mlflow_store, mlflow_ui, report
 from pipeline.analysis.analyze import Analysis, analyze
-from pipeline.analysis.labels import order_methods
+from pipeline.analysis.labels import order_methods, target_rho
+from pipeline.analysis.mlflow_client import (
+    DEFAULT_TRACKING_URI,
+    TAG_COMPLETE,
+    TAG_FP,
+    TAG_KEY,
+    TAG_ROLE,
+    check_tracking_server,
+    resolve_tracking_uri,
+)
 from pipeline.analysis.telemetry import refresh_by_step
 from pipeline.analysis.text_metrics import FIDELITY_DESC, REF_ROUGE_DESC
 from pipeline.schema import Col
 from rcr.fileio import atomic_write_text
 
-__all__ = ["log_job", "check_tracking_server", "job_key", "data_fingerprint", "resolve_tracking_uri", "find_job_runs",
+__all__ = ["log_job", "check_tracking_server", "job_key", "data_fingerprint", "resolve_tracking_uri",
            "DEFAULT_TRACKING_URI", "DEFAULT_EXPERIMENT", "TRACKING_VERSION"]
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "rcr-eval"
 TRACKING_VERSION = "3"  # bump when what is logged changes: existing runs are then replaced, not skipped
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-TAG_KEY = "rcr.job_key"
-TAG_ROLE = "rcr.role"
-TAG_FP = "rcr.fingerprint"
-TAG_COMPLETE = "rcr.complete"
 
 # ---------------------------------------------------------------------------------------------- keys
-def resolve_tracking_uri(uri: str | None) -> str:
-    """The one tracking-URI resolver (the job config and :func:`log_job` both call it).
-
-    ``None`` -> ``sqlite:///mlflow.db``. Relative sqlite/file paths and bare directories become absolute,
-    so a job started from a temporary working directory (``ray job submit --working-dir``) does not lose
-    its store; ``file:`` paths with leading slashes are absolute. ``sqlite:///:memory:`` (SQLite's
-    in-memory database, not a file) and other schemes (http, databricks, ...) are returned unchanged."""
-    uri = DEFAULT_TRACKING_URI if uri is None else uri
-    if not isinstance(uri, str) or not uri:
-        raise ValueError(f"tracking URI must be a non-empty string, got {uri!r}")
-    if uri.startswith("sqlite:///"):
-        path = uri[len("sqlite:///"):]
-        if path.startswith("/") or path == ":memory:":
-            return uri
-        return "sqlite:///" + str(Path(path).expanduser().resolve())
-    if uri.startswith("file:"):
-        path = uri[len("file:"):]
-        path = "/" + path.lstrip("/") if path.startswith("/") else path
-        return "file://" + str(Path(path).expanduser().resolve())
-    if re.match(r"^[a-z][a-z0-9+.-]*://", uri):
-        return uri
-    return "file://" + str(Path(uri).expanduser().resolve())  # a bare directory
 
 
 def _config_hashes(df: pd.DataFrame, config: dict | None) -> list[str]:
@@ -141,142 +116,6 @@ def data_fingerprint(df: pd.DataFrame, extra: dict | None = None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _client(tracking_uri: str):
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=tracking_uri)
-
-
-def _experiment_id(client, name: str, tracking_uri: str) -> str:
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        if exp.lifecycle_stage == "deleted":
-            client.restore_experiment(exp.experiment_id)
-        mlflow_ui.mark_experiment_kind(client, exp)
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=mlflow_store.experiment_location(tracking_uri),
-                                        tags={mlflow_ui.EXPERIMENT_KIND_TAG: mlflow_ui.EXPERIMENT_KIND})
-    except Exception:  # created concurrently
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        mlflow_ui.mark_experiment_kind(client, exp)
-        return exp.experiment_id
-
-
-def find_job_runs(client, experiment_id: str, key: str) -> list:
-    """All active runs (parents and children) carrying ``rcr.job_key = key``."""
-    runs, token = [], None
-    while True:
-        page = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_KEY}` = '{key}'",
-                                  max_results=1000, page_token=token)
-        runs.extend(page)
-        token = page.token
-        if not token:
-            return runs
-
-
-def _git_commit() -> tuple[str, bool | None]:
-    try:
-        sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        if not re.fullmatch(r"[0-9a-f]{40}", sha):
-            return "unknown", None
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
-        return sha, dirty
-    except Exception:  # noqa: BLE001 - no git, not a checkout, a timeout: the commit is a label, not a result
-        return "unknown", None
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-    elif isinstance(d, (list, tuple)):
-        out[prefix[:-1]] = ",".join(map(str, d))
-    else:
-        out[prefix[:-1]] = str(d)
-    return out
-
-
-def _finite(x) -> bool:
-    try:
-        return x is not None and not isinstance(x, bool) and math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False
-
-
-def _metric_name(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", s)
-
-
-def _log_metrics(client, run_id: str, values: dict[str, Any], step: int = 0, ts: int | None = None) -> None:
-    from mlflow.entities import Metric
-
-    ts = ts or int(time.time() * 1000)
-    ms = [Metric(_metric_name(k), float(v), ts, step) for k, v in values.items() if _finite(v)]
-    for i in range(0, len(ms), 1000):
-        client.log_batch(run_id, metrics=ms[i:i + 1000])
-
-
-def _log_series(client, run_id: str, name: str, values: Iterable[float]) -> None:
-    from mlflow.entities import Metric
-
-    ts = int(time.time() * 1000)
-    ms = [Metric(name, float(v), ts, i) for i, v in enumerate(values) if _finite(v)]
-    for i in range(0, len(ms), 1000):
-        client.log_batch(run_id, metrics=ms[i:i + 1000])
-
-
-def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
-    from mlflow.entities import Param
-
-    ps = [Param(_metric_name(k)[:250], str(v)[:6000]) for k, v in params.items() if v is not None]
-    for i in range(0, len(ps), 100):
-        client.log_batch(run_id, params=ps[i:i + 100])
-
-
-def _log_dataset(client, run_id: str, df: pd.DataFrame, output_dir: str | None, name: str) -> None:
-    """The evaluated samples (one row per sample) as an MLflow dataset input of the parent run."""
-    import mlflow.data
-    from mlflow.entities import DatasetInput, InputTag
-
-    cols = [c for c in (Col.SAMPLE_ID, Col.TASK, Col.SOURCE, Col.PROMPT, Col.REFERENCES) if c in df]
-    samples = df[cols].drop_duplicates(Col.SAMPLE_ID).reset_index(drop=True)
-    if Col.REFERENCES in samples:
-        samples[Col.REFERENCES] = samples[Col.REFERENCES].map(
-            lambda r: json.dumps(list(r) if r is not None else [], ensure_ascii=False))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ds = mlflow.data.from_pandas(samples, source=output_dir or "unknown", name=name)
-        client.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
-                                                         tags=[InputTag("mlflow.data.context", "evaluation")])])
-
-
-def joined_unique(df: pd.DataFrame, col: str) -> str | None:
-    if col not in df:
-        return None
-    v = sorted(set(df[col].dropna().astype(str)))
-    return ",".join(v) if v else None
-
-
-def _delete_runs(client, runs: list, keep: set[str]) -> int:
-    """Delete ``runs`` but ``keep``; one an interrupted call left RUNNING is marked FAILED first."""
-    n = 0
-    for r in runs:
-        if r.info.run_id in keep:
-            continue
-        try:
-            if r.info.status == "RUNNING":
-                client.set_terminated(r.info.run_id, "FAILED")
-            client.delete_run(r.info.run_id)
-            n += 1
-        except Exception as e:  # noqa: BLE001
-            warnings.warn(f"could not delete stale MLflow run {r.info.run_id}: {e}", stacklevel=2)
-    return n
 
 
 # ---------------------------------------------------------------------------------------------- log_job
@@ -290,8 +129,8 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     Args:
         df: the job's output rows (``pd.read_parquet(output_dir)``, possibly filtered to one config hash).
         config: the job config as a dict (``JobConfig.to_dict()``); flattened into params, logged as
-            ``config.json``. ``output_dir``, ``job_name``, ``bootstrap_resamples``, ``seed`` and ``rcr.rho``
-            are read from it when not given as arguments.
+            ``config.json``. ``output_dir``, ``job_name``, ``bootstrap_resamples`` and ``seed`` are read
+            from it when not given as arguments, and rcr's target refresh fraction from its ``methods``.
         tracking_uri: any MLflow URI; default ``sqlite:///mlflow.db``, relative paths made absolute.
         experiment: experiment name (created if missing; for a sqlite store its artifacts go to
             ``mlartifacts/`` next to the database file, ``mlflow_store.py``).
@@ -311,23 +150,23 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
         same job deletes them.
     """
     config = dict(config or {})
-    tracking_uri = resolve_tracking_uri(tracking_uri)
+    tracking_uri = mlflow_client.resolve_tracking_uri(tracking_uri)
     experiment = experiment or config.get("experiment") or DEFAULT_EXPERIMENT
     output_dir = output_dir or config.get("output_dir")
     output_dir = str(Path(output_dir).expanduser().resolve()) if output_dir else None
-    job_name = job_name or config.get("job_name") or joined_unique(df, Col.JOB_NAME) or "job"
+    job_name = job_name or config.get("job_name") or mlflow_client.joined_unique(df, Col.JOB_NAME) or "job"
     if bootstrap_resamples is None:
         bootstrap_resamples = int(config.get("bootstrap_resamples", 10_000))
     if seed is None:
         seed = int(config.get("bootstrap_seed", config.get("seed", 0)) or 0)
-    rho = (config.get("rcr") or {}).get("rho", 0.4) if isinstance(config.get("rcr"), dict) else 0.4
+    rho = target_rho(config.get("methods") or df[Col.METHOD].unique())
 
-    client = _client(tracking_uri)
-    exp_id = _experiment_id(client, experiment, tracking_uri)
+    client = mlflow_client.client(tracking_uri)
+    exp_id = mlflow_client.experiment_id(client, experiment, tracking_uri)
     key = job_key(df, config, output_dir, job_name)
     mlflow_ui.set_job_view(client, exp_id, key)  # what the printed runs URL opens (also for runs logged without it)
     fp = data_fingerprint(df, {"bootstrap_resamples": bootstrap_resamples, "seed": seed})
-    existing = find_job_runs(client, exp_id, key)
+    existing = mlflow_client.find_job_runs(client, exp_id, key)
     done = None if force else _complete_parent(client, existing, fp)
     if done is not None:
         if verbose:
@@ -340,7 +179,7 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     summary = report.format_summary(analysis)
     started: list[str] = []  # the runs this call creates, marked FAILED if it does not finish
     try:
-        with _artifacts_dir(artifacts_dir) as adir, _quiet_run_urls():
+        with _artifacts_dir(artifacts_dir) as adir, mlflow_client.quiet_run_urls():
             parent_id = _log_new(client, exp_id, df, config, analysis, summary, adir, key=key, fp=fp,
                                  job_name=job_name, output_dir=output_dir, tracking_uri=tracking_uri, rho=rho,
                                  started=started)
@@ -348,7 +187,7 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
         mlflow_store.fail_runs(client, started)
         raise
     # only now remove what this replaces (an older set with the same key, or an interrupted one)
-    n_del = _delete_runs(client, existing, {parent_id})
+    n_del = mlflow_client.delete_runs(client, existing, {parent_id})
     if verbose:
         what = f"replaced {n_del} older run(s)" if n_del else "new"
         print(f"[mlflow] logged job '{job_name}' to {tracking_uri}, experiment '{experiment}': parent run "
@@ -371,7 +210,7 @@ def _complete_parent(client, existing: list, fp: str) -> str | None:
                 and r.info.status == "FINISHED"):
             stale = [x for x in existing if x.info.run_id != r.info.run_id
                      and x.data.tags.get("mlflow.parentRunId") != r.info.run_id]
-            _delete_runs(client, stale, set())
+            mlflow_client.delete_runs(client, stale, set())
             return r.info.run_id
     return None
 
@@ -388,52 +227,20 @@ def _artifacts_dir(artifacts_dir: str | os.PathLike | None):
     yield adir
 
 
-@contextlib.contextmanager
-def _quiet_run_urls():
-    """Against a tracking server MLflow prints two URL lines per finished run (22 for a 10-method job), which
-    would bury the job's summary; the parent's URL is printed once instead."""
-    name = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
-    before = os.environ.get(name)
-    os.environ[name] = "true"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-def check_tracking_server(uri: str) -> None:
-    """Raise ConnectionError at once if an http(s) tracking server does not answer its health check:
-    MLflow's client would otherwise retry a dead server for minutes before failing."""
-    if not uri.startswith(("http://", "https://")):
-        return
-    import urllib.error
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=10).close()
-    except urllib.error.HTTPError:
-        return  # it answers (e.g. 401 behind auth): let MLflow's client deal with it
-    except OSError as e:
-        raise ConnectionError(f"the tracking server {uri} does not answer ({e})") from None
-
-
 def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, summary: str, adir: Path, *,
-             key: str, fp: str, job_name: str, output_dir: str | None, tracking_uri: str, rho: float,
+             key: str, fp: str, job_name: str, output_dir: str | None, tracking_uri: str, rho: float | None,
              started: list[str]) -> str:
     """One parent run (params, dataset, metrics, artifacts), then one child run per (model, method); each run's id
     goes to ``started`` as it is created."""
-    commit, dirty = _git_commit()
+    commit, dirty = mlflow_client.git_commit()
     commit = config.get("git_commit") or commit
     models = a.meta.get("models") or [""]
-    dataset = joined_unique(df, Col.SOURCE) or "unknown"
-    task = joined_unique(df, Col.TASK)
+    dataset = mlflow_client.joined_unique(df, Col.SOURCE) or "unknown"
+    task = mlflow_client.joined_unique(df, Col.TASK)
     tags = {
         TAG_KEY: key, TAG_ROLE: "parent", TAG_FP: fp, TAG_COMPLETE: "0",
         "rcr.job_name": job_name, "rcr.output_dir": output_dir or "",
-        "rcr.config_hash": joined_unique(df, Col.CONFIG_HASH) or "",
+        "rcr.config_hash": mlflow_client.joined_unique(df, Col.CONFIG_HASH) or "",
         "rcr.model": ",".join(models), "rcr.dataset": dataset, "rcr.task": task or "",
         "mlflow.source.git.commit": commit, "mlflow.source.name": "pipeline.analysis.tracking.log_job",
         "mlflow.note.content": "```\n" + summary[:7900] + "\n```",
@@ -444,10 +251,10 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
     pid = parent.info.run_id
     started.append(pid)
 
-    params = {f"config.{k}": v for k, v in _flatten(config).items() if k}
+    params = {f"config.{k}": v for k, v in mlflow_client.flatten(config).items() if k}
     params.update({
         "job_name": job_name, "model": ",".join(models), "dataset": dataset, "task": task,
-        "git_commit": commit, "output_dir": output_dir, "config_hash": joined_unique(df, Col.CONFIG_HASH),
+        "git_commit": commit, "output_dir": output_dir, "config_hash": mlflow_client.joined_unique(df, Col.CONFIG_HASH),
         "n_samples": a.meta.get("n_samples"), "n_rows": a.meta.get("n_rows"),
         "methods": ",".join(order_methods(df[Col.METHOD].astype(str))),
         "fidelity_metric": FIDELITY_DESC, "reference_rougeL": REF_ROUGE_DESC, "cider": a.meta.get("cider"),
@@ -455,18 +262,18 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
         "bootstrap": a.meta.get("bootstrap"), "bootstrap_resamples": a.meta.get("bootstrap_resamples"),
         "bootstrap_seed": a.meta.get("seed"), "drift_source": a.meta.get("drift_source"),
         # what the infinigen rows were calibrated on (pipeline/run/calibration.py); None (not logged) without them
-        "infinigen_calibration": joined_unique(df, Col.CALIBRATION),
-        "infinigen_calibration_sha256": joined_unique(df, Col.CALIBRATION_SHA256),
+        "infinigen_calibration": mlflow_client.joined_unique(df, Col.CALIBRATION),
+        "infinigen_calibration_sha256": mlflow_client.joined_unique(df, Col.CALIBRATION_SHA256),
     })
-    _log_params(client, pid, params)
+    mlflow_client.log_params(client, pid, params)
     try:
-        _log_dataset(client, pid, df, output_dir, name=f"{dataset}:{task}" if task else dataset)
+        mlflow_client.log_dataset(client, pid, df, output_dir, name=f"{dataset}:{task}" if task else dataset)
     except Exception as e:  # noqa: BLE001 - the dataset entity is a convenience
         warnings.warn(f"MLflow dataset input not logged: {e}", stacklevel=2)
-    _log_metrics(client, pid, _parent_metrics(a, multi=len(models) > 1))
+    mlflow_client.log_metrics(client, pid, _parent_metrics(a, multi=len(models) > 1))
     tuned_params, tuned_metrics = fixed_tuning.mlflow_values(a.fixed_comparison, multi=len(models) > 1)
-    _log_params(client, pid, tuned_params)
-    _log_metrics(client, pid, tuned_metrics)
+    mlflow_client.log_params(client, pid, tuned_params)
+    mlflow_client.log_metrics(client, pid, tuned_metrics)
     _log_artifacts(client, tracking_uri, parent, df, a, summary, config, adir, rho)
     for _, row in a.methods.iterrows():
         _log_child(client, exp_id, pid, df, a, row, key=key, job_name=job_name, commit=commit, multi=len(models) > 1,
@@ -498,7 +305,7 @@ def _parent_metrics(a: Analysis, multi: bool) -> dict[str, Any]:
 
 
 def _log_artifacts(client, tracking_uri: str, run, df: pd.DataFrame, a: Analysis, summary: str, config: dict,
-                   adir: Path, rho: float) -> None:
+                   adir: Path, rho: float | None) -> None:
     """Plots, tables, the summary, the analysis settings and the config, written to ``adir`` and uploaded to
     ``run``'s location (``mlflow_store.upload``)."""
     from pipeline.analysis import plots
@@ -533,8 +340,9 @@ def _log_child(client, exp_id: str, pid: str, df: pd.DataFrame, a: Analysis, row
              "rcr.model": model, "rcr.job_name": job_name, "mlflow.source.git.commit": commit}
     cid = client.create_run(exp_id, run_name=f"{method} [{model}]" if multi else method, tags=ctags).info.run_id
     started.append(cid)
-    _log_params(client, cid, {"method": method, "model": model,
-                              "sweep_tau": row.get("sweep_tau") if _finite(row.get("sweep_tau")) else None})
+    tau = row.get("sweep_tau")
+    mlflow_client.log_params(client, cid, {"method": method, "model": model,
+                                           "sweep_tau": tau if mlflow_client.finite(tau) else None})
     cm = {k: v for k, v in row.items() if k not in ("model", "method")}
     t = a.terciles[(a.terciles.model == model) & (a.terciles.method == method)]
     for _, tr in t.iterrows():
@@ -543,9 +351,9 @@ def _log_child(client, exp_id: str, pid: str, df: pd.DataFrame, a: Analysis, row
     c = a.correlations[(a.correlations.model == model) & (a.correlations.method == method)]
     for _, cr in c.iterrows():
         cm[f"spearman_gap_exact_vs_{cr.against}"] = cr.spearman_rho
-    _log_metrics(client, cid, cm)
-    if _finite(row.get("refresh_fraction")) and 0 < float(row.get("refresh_fraction")) < 1:
+    mlflow_client.log_metrics(client, cid, cm)
+    if mlflow_client.finite(row.get("refresh_fraction")) and 0 < float(row.get("refresh_fraction")) < 1:
         steps = refresh_by_step(df, method, model=model)
-        _log_series(client, cid, "refresh_rate_by_step", steps.refresh_rate)
-        _log_series(client, cid, "tau_mean_by_step", steps.tau_mean)
+        mlflow_client.log_series(client, cid, "refresh_rate_by_step", steps.refresh_rate)
+        mlflow_client.log_series(client, cid, "tau_mean_by_step", steps.tau_mean)
     client.set_terminated(cid, "FINISHED")

@@ -40,83 +40,41 @@ from pipeline.data import hf_datasets as hf
 from pipeline.data.hf_datasets import OfflineError  # noqa: F401 - part of this module's interface
 from pipeline.data.images import decode_image, encode_image, to_rgb
 from pipeline.data.shards import DataError
-from rcr.models import PROMPTS  # the one copy of the task prompts
-
-
-@dataclass(frozen=True)
-class HubSource:
-    name: str
-    repo_id: str
-    revision: str
-    split: str
-    files: tuple[str, ...]  # paths inside the dataset repo
-    image_column: str
-    reference_columns: tuple[str, ...]
-    id_column: str | None
-    task: str
-    prompt: str
-
-
-DETAILCAPS = HubSource(
-    name="detailcaps",
-    repo_id="foundation-multimodal-models/DetailCaps-4870",
-    revision="3882c5a37b8971c86d0093838c967083c5f90f9d",
-    split="test",
-    files=("DetailCaps-4870.parquet",),
-    image_column="binary",
-    reference_columns=("GT_Caption_GPT4O", "GT_Caption_GPT4V", "GT_Caption_Gemini15Pro"),
-    id_column=None,  # rows have no unique id column; the row index in the pinned file is stable
-    task="detailcaps",
-    prompt=PROMPTS["detailcaps"],
-)
-
-TEXTCAPS = HubSource(
-    name="textcaps",
-    repo_id="lmms-lab/TextCaps",
-    revision="09a9d5e2f0829b732faf722b8c4a9c2e9ef9e575",
-    split="val",
-    files=("data/val-00000-of-00002.parquet", "data/val-00001-of-00002.parquet"),
-    image_column="image",
-    reference_columns=("caption_str",),
-    id_column="image_id",
-    task="textcaps",
-    prompt=PROMPTS["textcaps"],
-)
-
-SOURCES = {"detailcaps": DETAILCAPS, "textcaps": TEXTCAPS}
+from pipeline.tasks import DETAILCAPS, TASKS, TEXTCAPS, VIDEO, Task
 
 
 # ------------------------------------------------------------------------------------------- --dataset
 @dataclass(frozen=True)
 class NamedDataset:
-    """A job's ``--dataset NAME[:split]``: the task's source, the split, and, for a local copy, its path."""
+    """A job's ``--dataset NAME[:split]``: the task (whose ``source`` it reads), the split, and, for a local copy,
+    its path."""
 
-    source: HubSource
+    task: Task
     local_path: str | None
     split: str
 
     def locate(self) -> hf.Located:
         """The split's files and provenance (offline: a revision in the hub cache); reads no rows."""
-        return locate(self.source, self.local_path, split=self.split)
+        return locate(self.task, self.local_path, split=self.split)
 
     def cache_name(self, loc: hf.Located | None = None) -> str:
         """A directory name that changes when the data can: for the Hub, the revision read (``loc``; default
         the pinned one); for a local copy, a hash of the paths, sizes and modification times of the files the
         split is read from (``loc``, located when not given)."""
-        src = self.source
+        name, src = self.task.name, self.task.source
         if self.local_path is None:
             rev = loc.revision if loc is not None and loc.revision else src.revision
-            return f"{src.name}-{self.split}-{rev[:10]}"
+            return f"{name}-{self.split}-{rev[:10]}"
         loc = loc or self.locate()
         h = hashlib.sha256(f"{self.local_path}\0{self.split}".encode())
         for f in loc.data_files:
             st = os.stat(f)
             h.update(f"\0{f}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-        return f"{src.name}-{self.split}-local-{h.hexdigest()[:12]}"
+        return f"{name}-{self.split}-local-{h.hexdigest()[:12]}"
 
     def records(self, loc: hf.Located | None = None) -> Iterator[dict]:
         """Every sample of the split in the input schema, in source order."""
-        return convert_located(self.source, loc or self.locate())
+        return convert_located(self.task, loc or self.locate())
 
 
 def parse_dataset(spec: str, task: str) -> NamedDataset:
@@ -125,22 +83,24 @@ def parse_dataset(spec: str, task: str) -> NamedDataset:
     file or folder laid out like the Hub's). The split defaults to the pinned one; the files of a split come
     from the copy's dataset card or the Hub's file names (``pipeline/data/hf_datasets.py``). Rows map to the
     input schema with the task's converter, so only the datasets this module converts are accepted."""
-    src = SOURCES.get(task)
-    if src is None:
-        raise DataError(f"task '{task}' has no Hugging Face source (have: {', '.join(SOURCES)}); convert the "
+    t = TASKS.get(task)
+    if t is None or t.source is None:
+        have = ", ".join(n for n, x in TASKS.items() if x.source is not None)
+        raise DataError(f"task '{task}' has no Hugging Face source (have: {have}); convert the "
                         "data with jobs/prepare_data.py and pass --shards")
+    src = t.source
     name, split = spec, None
     head, sep, tail = spec.rpartition(":")
     if sep and head and tail and "/" not in tail:
         name, split = head, tail
     local = None
-    if name not in (src.repo_id, src.name):
+    if name not in (src.repo_id, t.name):
         path = Path(name).expanduser()
         if not path.exists():
-            raise DataError(f"'{name}' is neither {src.repo_id} (or '{src.name}') nor a local file or directory; "
+            raise DataError(f"'{name}' is neither {src.repo_id} (or '{t.name}') nor a local file or directory; "
                             f"task {task} reads {src.repo_id} or a local copy of it")
         local = os.path.abspath(path)  # not resolved: a hub-cache snapshot's files are links into its blobs
-    return NamedDataset(src, local, split or src.split)
+    return NamedDataset(t, local, split or src.split)
 
 
 def _refs(values, where: str) -> list[str]:
@@ -167,30 +127,32 @@ def pick_subset(n: int, limit: int | None, seed: int) -> list[int]:
     return sorted(np.random.default_rng(seed).choice(n, size=limit, replace=False).tolist())
 
 
-def locate(src: HubSource, local_path=None, cache_dir=None, revision: str | None = None,
+def locate(task: Task, local_path=None, cache_dir=None, revision: str | None = None,
            split: str | None = None) -> hf.Located:
-    """Where ``split`` (default: the pinned one) of ``src`` is read from: ``local_path``, else the Hub at
-    ``revision`` (default: the pinned one), or offline the hub cache (``cache_dir``, default HF_HUB_CACHE)."""
+    """Where ``split`` (default: the pinned one) of the task's source is read from: ``local_path``, else the Hub
+    at ``revision`` (default: the pinned one), or offline the hub cache (``cache_dir``, default HF_HUB_CACHE)."""
+    src = task.source
     split = split or src.split
     if local_path is not None:
         return hf.locate_local(local_path, split, src.repo_id, src.split, src.files)
     return hf.locate_hub(src.repo_id, revision or src.revision, split, src.split, src.files, cache_dir)
 
 
-def convert_hub(src: HubSource, local_path=None, limit: int | None = None, seed: int = 0, cache_dir=None,
+def convert_hub(task: Task, local_path=None, limit: int | None = None, seed: int = 0, cache_dir=None,
                 revision: str | None = None, streaming: bool = False, split: str | None = None) -> Iterator[dict]:
     """Yield input-schema records for a Hub dataset (DetailCaps or TextCaps), read with ``datasets``
     (``pipeline/data/hf_datasets.py``); a revision other than the one asked for is named on stderr.
     ``streaming``: the first ``limit`` samples of the stream, no subset."""
-    loc = locate(src, local_path, cache_dir, revision, split)
+    loc = locate(task, local_path, cache_dir, revision, split)
     if loc.note:
         print(f"note: {loc.note}", file=sys.stderr, flush=True)
-    yield from convert_located(src, loc, limit, seed, streaming)
+    yield from convert_located(task, loc, limit, seed, streaming)
 
 
-def convert_located(src: HubSource, loc: hf.Located, limit: int | None = None, seed: int = 0,
+def convert_located(task: Task, loc: hf.Located, limit: int | None = None, seed: int = 0,
                     streaming: bool = False) -> Iterator[dict]:
     """Input-schema records of the split ``loc`` found (see :func:`convert_hub`)."""
+    src = task.source
     ds, where = hf.open_located(loc, streaming), loc.where
     source = f"{loc.origin}:{loc.split}"  # a local copy: hashes its files, once
     need = [src.image_column, *src.reference_columns] + ([src.id_column] if src.id_column else [])
@@ -201,8 +163,8 @@ def convert_located(src: HubSource, loc: hf.Located, limit: int | None = None, s
     ds = hf.with_image_column(ds.select_columns(need), src.image_column, where)
 
     def record(key, image, refs) -> dict:
-        sid = f"{src.name}-{key}" if src.id_column else f"{src.name}-{key:05d}"
-        return {"sample_id": sid, "task": src.task, "prompt": src.prompt, "images": [image], "references": refs,
+        sid = f"{task.name}-{key}" if src.id_column else f"{task.name}-{key:05d}"
+        return {"sample_id": sid, "task": task.name, "prompt": task.prompt, "images": [image], "references": refs,
                 "source": source}
 
     def key_of(r: int, row: dict):
@@ -307,7 +269,7 @@ def _frames_from_file(f: Path, k: int) -> list[bytes]:
 
 
 def convert_videos(folder: str | os.PathLike, frames: int = 8, limit: int | None = None, seed: int = 0,
-                   prompt: str = PROMPTS["video"]) -> Iterator[dict]:
+                   prompt: str = VIDEO.prompt) -> Iterator[dict]:
     """Yield video records from a folder of videos and/or frame folders."""
     folder = Path(folder)
     if not folder.is_dir():

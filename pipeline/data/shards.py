@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from pipeline.data import synthetic
 from pipeline.schema import input_table_from_records, validate_input_table
+from pipeline.tasks import TASKS
 from rcr.fileio import atomic_path, atomic_write_text
 
 SUCCESS_MARKER = "_SUCCESS"
@@ -155,15 +156,14 @@ def write_synthetic(out_dir: str | os.PathLike, task: str, n: int, seed: int = 0
 
 
 # default sizes of the embedded job's synthetic shards (the paper's sample counts for the real datasets)
-EMBEDDED_SIZES = {"detailcaps": 300, "textcaps": 500, "video": 100}
 
 
 def write_synthetic_shards(task: str, out_dir: str | os.PathLike, n: int | None = None, seed: int | None = None,
                            shard_size: int = 256, workers: int = 1, layout: str | None = None) -> list[Path]:
     """The embedded default's shards: held-out synthetic samples (seed ``synthetic.HELDOUT_SEED``, never
-    seen in training) of ``task``; ``n`` defaults to ``EMBEDDED_SIZES[task]``."""
+    seen in training) of ``task``; ``n`` defaults to the task's ``embedded_size`` (``pipeline/tasks/``)."""
     synthetic.check_task(task)
-    n = EMBEDDED_SIZES[task] if n is None else n
+    n = TASKS[task].embedded_size if n is None else n
     seed = synthetic.HELDOUT_SEED if seed is None else seed
     return write_synthetic(out_dir, task, n, seed, shard_size, workers, layout)
 

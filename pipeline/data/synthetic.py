@@ -26,88 +26,37 @@ from __future__ import annotations
 
 import io
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from pipeline.schema import TASKS
-from rcr.models import PROMPTS
+from pipeline.data.scenes import (  # noqa: F401 - the scenes' names are part of this module's interface
+    BACKGROUND,
+    BIG_RADIUS,
+    COLOURS,
+    DEFAULT_LAYOUT,
+    LAYOUTS,
+    SHAPES,
+    SIZES,
+    SMALL_RADIUS,
+    TEXTURES,
+    SceneLayout,
+    SceneObject,
+    SyntheticError,
+    blank,
+    get_layout,
+    paint,
+    random_object,
+    render_grid,
+)
+from pipeline.tasks import TASKS as REGISTRY
 
 SOURCE = "synthetic"
 
-COLOURS = {
-    "red": (220, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (40, 90, 230),
-    "yellow": (240, 215, 40),
-    "purple": (150, 60, 200),
-    "orange": (250, 140, 20),
-}
-SHAPES = ("circle", "square", "triangle", "diamond")
-SIZES = ("big", "small")
-TEXTURES = ("plain", "striped", "dotted")
 NUMBER_WORDS = ("one", "two", "three", "four", "five")
-BACKGROUND = (128, 128, 128)  # plain grey canvas
-# (A version that gave every grid cell its own shade of grey, as an absolute-position cue for the visual
-# tokens, made the tiny model learn colours and shapes several times more slowly; plain it is.)
 
 
 
-@dataclass(frozen=True)
-class SceneLayout:
-    """The grid of a detailcaps/textcaps scene. A merged Qwen2-VL visual token covers 28 x 28 px."""
-
-    name: str
-    rows: int
-    cols: int
-    cell: int  # px per cell side
-    min_objects: int  # detailcaps objects per scene
-    max_objects: int
-    jitter: int  # an object's centre moves up to this many px from its cell's centre
-    # the description walks every cell in raster order, empty ones included ("..., nothing ."), and relates an
-    # object only to its right-hand neighbour: what a step needs to read is then in the cells it is describing
-    every_cell: bool = False
-    # the empty canvas is a smooth, faintly coloured random field with pixel grain instead of flat grey, as a
-    # photo's background is: on flat grey every empty-canvas token carries the same value, and a tiny model parks
-    # its idle attention on those hundreds of identical entries, a spread-out sink that no selection of 32 holds
-    # (the attention probe, column `flat`); the objects keep their saturated colours
-    textured: bool = False
-    # how far a textured canvas departs from flat grey: 0 is its flat twin, 1 the full texture. Only training
-    # sets it below 1 (the trainer's curriculum ramps it up, so that reading learnt on flat grey carries over)
-    canvas_strength: float = 1.0
-    # a textured canvas lit by position: brighter down the image and warmer to the right (``_light``), so that a
-    # visual token's own pixels say where it is. Qwen2-VL's vision tower has no absolute position embedding and
-    # its decoder sees an image token's place only through M-RoPE, relative to the query's own position; a
-    # description step that names "row two , column three" then has no content to match, and the v4-trained
-    # models spread their image attention over every cell alike
-    lit: bool = False
-
-    @property
-    def height(self) -> int:
-        return self.rows * self.cell
-
-    @property
-    def width(self) -> int:
-        return self.cols * self.cell
-
-
-LAYOUTS = {
-    # 336 px, 4x4 cells of 84 px (3x3 tokens): 144 visual tokens, 8-10 objects (the shipped v1 model)
-    "v1": SceneLayout("v1", rows=4, cols=4, cell=84, min_objects=8, max_objects=10, jitter=4),
-    # 448 x 560 px, 5 rows x 4 columns of 112 px (4x4 tokens): 320 visual tokens, 11-14 objects of 1-4
-    # tokens each, more object tokens than a 32-entry selection holds (the model being trained for v2)
-    "v2": SceneLayout("v2", rows=5, cols=4, cell=112, min_objects=11, max_objects=14, jitter=12),
-    # the v2 canvas with 12-18 of its 20 cells occupied (about 70 object tokens, twice the 32 selected), and
-    # every cell described in raster order: which cells a step reads follows from where the description is
-    "v3": SceneLayout("v3", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True),
-    # v3's scenes (the same objects for the same index) on a textured canvas
-    "v4": SceneLayout("v4", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True,
-                      textured=True),
-    # v4's scenes on a canvas lit by position (the same objects and texture draws for the same index)
-    "v5": SceneLayout("v5", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True,
-                      textured=True, lit=True),
-}
-DEFAULT_LAYOUT = "v5"  # what the shipped model was trained on; flips with the model it belongs to
 FRAME_SIZE = 168  # 12x12 patches -> 6x6 = 36 merged tokens per temporal patch
 VIDEO_GRID = 3
 VIDEO_CELL = FRAME_SIZE // VIDEO_GRID
@@ -118,19 +67,11 @@ VIDEO_POSITIONS = (
 )
 QUADRANTS = ("the top left", "the top right", "the bottom left", "the bottom right")
 
-# Object radii (px), where a merged visual token covers 28x28 px. Objects this small
-# fit in 1-4 tokens, so each token the decoder attends to shows the object's outline: with radii 34/21
-# (2-3 tokens across) the tiny model learned colour, texture and size but never shape.
-BIG_RADIUS = 22.0
-SMALL_RADIUS = 13.0
-
 HELDOUT_SEED = 10_000  # evaluation and the embedded job's shards use this seed: training refuses it (its recipe)
 
+# the tasks this generator draws, in the order that sets each one's seed offset (never reorder)
+TASKS = ("detailcaps", "textcaps", "video")
 _TASK_CODE = {t: i + 1 for i, t in enumerate(TASKS)}
-
-
-class SyntheticError(ValueError):
-    """Bad arguments to the synthetic generator (unknown task, bad count ...)."""
 
 
 def check_task(task: str) -> str:
@@ -156,139 +97,11 @@ def vocabulary() -> list[str]:
         "A and at moves from to then stays in the whole time",
         "One object . Two objects . The",
     ]
-    fixed += list(PROMPTS.values()) + list(VIDEO_POSITIONS) + list(QUADRANTS)
+    fixed += [REGISTRY[t].prompt for t in TASKS] + list(VIDEO_POSITIONS) + list(QUADRANTS)
     fixed += list(COLOURS) + list(SHAPES) + list(SIZES) + list(TEXTURES) + list(NUMBER_WORDS)
     for s in fixed:
         words.update(canonical(s).split())
     return sorted(words)
-
-
-# ----------------------------------------------------------------------------------------- rendering
-def _shape_mask(shape: str, radius: float, size: int) -> np.ndarray:
-    """Boolean mask of a shape centred in a ``size`` x ``size`` box."""
-    c = (size - 1) / 2.0
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
-    dx, dy = xx - c, yy - c
-    if shape == "circle":
-        return dx * dx + dy * dy <= radius * radius
-    if shape == "square":
-        r = radius * 0.85
-        return (np.abs(dx) <= r) & (np.abs(dy) <= r)
-    if shape == "diamond":
-        return np.abs(dx) + np.abs(dy) <= radius * 1.1
-    if shape == "triangle":  # upward, apex at top
-        top, bottom = -radius, radius * 0.8
-        frac = (dy - top) / (bottom - top)
-        return (dy >= top) & (dy <= bottom) & (np.abs(dx) <= frac * radius)
-    raise SyntheticError(f"unknown shape {shape!r}")
-
-
-def _texture_mask(texture: str, size: int, phase: int) -> np.ndarray:
-    """True where the object's own colour shows; False where the dark pattern shows."""
-    yy, xx = np.mgrid[0:size, 0:size]
-    if texture == "plain":
-        return np.ones((size, size), dtype=bool)
-    if texture == "striped":  # horizontal stripes, period 8 px
-        return ((yy + phase) // 4) % 2 == 0
-    if texture == "dotted":  # dots of radius ~2 px on an 8 px lattice
-        ddx = (xx + phase) % 8 - 3.5
-        ddy = (yy + phase) % 8 - 3.5
-        return ddx * ddx + ddy * ddy > 5.0
-    raise SyntheticError(f"unknown texture {texture!r}")
-
-
-def _paint(img: np.ndarray, cx: int, cy: int, obj: SceneObject, radius: float, phase: int = 0) -> None:
-    box = int(2 * radius + 4) | 1
-    half = box // 2
-    mask = _shape_mask(obj.shape, radius, box)
-    tex = _texture_mask(obj.texture, box, phase)
-    colour = np.array(COLOURS[obj.colour], dtype=np.uint8)
-    dark = (colour.astype(np.float32) * 0.3).astype(np.uint8)
-    patch = np.where(tex[..., None], colour, dark)
-    y0, x0 = cy - half, cx - half
-    # clip to the canvas
-    ys, xs = max(0, -y0), max(0, -x0)
-    ye, xe = min(box, img.shape[0] - y0), min(box, img.shape[1] - x0)
-    region = img[y0 + ys:y0 + ye, x0 + xs:x0 + xe]
-    m = mask[ys:ye, xs:xe]
-    region[m] = patch[ys:ye, xs:xe][m]
-
-
-@dataclass(frozen=True)
-class SceneObject:
-    shape: str
-    colour: str
-    size: str = "big"
-    texture: str = "plain"
-
-    def phrase(self) -> str:
-        return f"{self.size} {self.colour} {self.texture} {self.shape}"
-
-    def short(self) -> str:
-        return f"{self.colour} {self.shape}"
-
-
-def _random_object(rng: np.random.Generator) -> SceneObject:
-    return SceneObject(
-        shape=SHAPES[rng.integers(len(SHAPES))],
-        colour=list(COLOURS)[rng.integers(len(COLOURS))],
-        size=SIZES[rng.integers(len(SIZES))],
-        texture=TEXTURES[rng.integers(len(TEXTURES))],
-    )
-
-
-def _blank(height: int, width: int | None = None) -> np.ndarray:
-    img = np.empty((height, height if width is None else width, 3), dtype=np.uint8)
-    img[:] = BACKGROUND
-    return img
-
-
-def _render_grid(rng: np.random.Generator, cells: dict[int, SceneObject], lay: SceneLayout) -> np.ndarray:
-    img = _blank(lay.height, lay.width)
-    for cell, obj in cells.items():
-        r, c = divmod(cell, lay.cols)
-        jx, jy = rng.integers(-lay.jitter, lay.jitter + 1, size=2)
-        cx = c * lay.cell + lay.cell // 2 + int(jx)
-        cy = r * lay.cell + lay.cell // 2 + int(jy)
-        radius = BIG_RADIUS if obj.size == "big" else SMALL_RADIUS
-        _paint(img, cx, cy, obj, radius, phase=int(rng.integers(8)))
-    if lay.textured:  # drawn after the objects, so a v4 scene's objects are its v3 twin's
-        empty = (img == np.array(BACKGROUND, dtype=np.uint8)).all(-1)
-        img[empty] = _canvas(rng, img.shape[0], img.shape[1], lay.canvas_strength, lit=lay.lit)[empty]
-    return img
-
-
-def _light(height: int, width: int) -> np.ndarray:
-    """(H, W, 3) float: a lit canvas's departure from grey by position alone: brightness from -50 at the top row
-    to +50 at the bottom, and warmth (red up, blue down) from -30 at the left edge to +30 at the right. Adjacent
-    cells of v5 (112 px) differ by 20 in brightness or 30 in red - blue, more than the halved texture's +-20."""
-    y = (np.arange(height) + 0.5) / height - 0.5  # (H,) in (-0.5, 0.5)
-    x = (np.arange(width) + 0.5) / width - 0.5  # (W,)
-    bright = 100.0 * y[:, None] + np.zeros((1, width))
-    warm = 60.0 * x[None, :] + np.zeros((height, 1))
-    return np.stack([bright + warm, bright, bright - warm], axis=-1)
-
-
-def _canvas(rng: np.random.Generator, height: int, width: int, strength: float = 1.0, lit: bool = False,
-            step: int = 40) -> np.ndarray:
-    """(H, W, 3) uint8: per channel, grey 128 +- 40 on a coarse grid every ``step`` px, interpolated bilinearly
-    (low saturation: the channels drift apart by at most 80 of 255 before the grain), plus +-10 grain per pixel;
-    ``lit``: the coarse field halved and ``_light`` added. The departure from grey is scaled by ``strength``.
-    The random draws depend on neither ``strength`` nor ``lit``."""
-    gh, gw = height // step + 2, width // step + 2
-    coarse = rng.uniform(88.0, 168.0, size=(gh, gw, 3))
-    y = np.arange(height) / step
-    x = np.arange(width) / step
-    y0, x0 = y.astype(int), x.astype(int)
-    fy, fx = (y - y0)[:, None, None], (x - x0)[None, :, None]
-    top = coarse[y0][:, x0] * (1 - fx) + coarse[y0][:, x0 + 1] * fx
-    bottom = coarse[y0 + 1][:, x0] * (1 - fx) + coarse[y0 + 1][:, x0 + 1] * fx
-    smooth = top * (1 - fy) + bottom * fy
-    if lit:
-        smooth = 128.0 + 0.5 * (smooth - 128.0) + _light(height, width)
-    field = smooth + rng.uniform(-10.0, 10.0, size=(height, width, 3))
-    field = 128.0 + strength * (field - 128.0)
-    return np.clip(np.rint(field), 0, 255).astype(np.uint8)
 
 
 # ----------------------------------------------------------------------------------------- tasks
@@ -298,8 +111,8 @@ def _detailcaps(rng: np.random.Generator, n_objects: int | None, lay: SceneLayou
     if not 1 <= n <= n_cells:
         raise SyntheticError(f"n_objects must be in 1..{n_cells}, got {n}")
     chosen = sorted(rng.choice(n_cells, size=n, replace=False).tolist())
-    cells = {cell: _random_object(rng) for cell in chosen}
-    img = _render_grid(rng, cells, lay)
+    cells = {cell: random_object(rng) for cell in chosen}
+    img = render_grid(rng, cells, lay)
     described = range(n_cells) if lay.every_cell else chosen
     parts = []
     for i, cell in enumerate(described):
@@ -329,13 +142,13 @@ def _textcaps_objects(rng: np.random.Generator, lay: SceneLayout) -> list[tuple[
         # a quadrant's two rows/columns nearest its corner (an odd grid's middle row belongs to neither half)
         r = qr * (lay.rows - 2) + int(rng.integers(2))
         c = qc * (lay.cols - 2) + int(rng.integers(2))
-        placed.append((r * lay.cols + c, _random_object(rng), q))
+        placed.append((r * lay.cols + c, random_object(rng), q))
     return placed
 
 
 def _textcaps(rng: np.random.Generator, lay: SceneLayout) -> tuple[list[np.ndarray], str]:
     placed = _textcaps_objects(rng, lay)
-    img = _render_grid(rng, {cell: obj for cell, obj, _ in placed}, lay)
+    img = render_grid(rng, {cell: obj for cell, obj, _ in placed}, lay)
     text = " and ".join(f"a {obj.phrase()} at {QUADRANTS[q]}" for _, obj, q in placed) + " ."
     return [img], text[0].upper() + text[1:]
 
@@ -376,12 +189,12 @@ def _video(rng: np.random.Generator) -> tuple[list[np.ndarray], str]:
     for k in range(n_way):
         # frames 4k, 4k+1 at waypoint k; frames 4k+2, 4k+3 half-way to waypoint k+1 (or still there, last)
         for sub in range(4):
-            img = _blank(FRAME_SIZE)
+            img = blank(FRAME_SIZE)
             for j, obj in enumerate(objs):
                 p = centre(paths[j][k])
                 if sub >= 2 and k + 1 < n_way:
                     p = (p + centre(paths[j][k + 1])) / 2
-                _paint(img, int(p[0]), int(p[1]), obj, 18.0)
+                paint(img, int(p[0]), int(p[1]), obj, 18.0)
             frames.append(img)
     sentences = []
     for j, obj in enumerate(objs):
@@ -445,12 +258,6 @@ def token_cells(lay: SceneLayout, grid_thw, patch: int = 28) -> np.ndarray:
     return (rows * patch // lay.cell) * lay.cols + cols * patch // lay.cell
 
 
-def get_layout(name: str) -> SceneLayout:
-    if name not in LAYOUTS:
-        raise SyntheticError(f"unknown scene layout {name!r}: field 'layout' must be one of {', '.join(LAYOUTS)}")
-    return LAYOUTS[name]
-
-
 def render(task: str, seed: int, index: int, n_objects: int | None = None,
            layout: str = DEFAULT_LAYOUT, canvas_strength: float = 1.0) -> tuple[list[np.ndarray], str]:
     """Frames (uint8 HxWx3 arrays; one for images) and the ground-truth description.
@@ -499,7 +306,7 @@ def make_record(task: str, seed: int, index: int, layout: str = DEFAULT_LAYOUT, 
     return {
         "sample_id": f"synthetic-{tag}{task}{count}-s{seed}-{index:07d}",
         "task": task,
-        "prompt": PROMPTS[task],
+        "prompt": REGISTRY[task].prompt,
         "images": [encode_png(f) for f in frames],
         "references": [text],
         "source": SOURCE,

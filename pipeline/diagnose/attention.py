@@ -14,7 +14,7 @@ attention. Per layer, averaged over answer steps and samples (``layer_profile``)
 * ``entries``: the effective number of prefix entries attended, exp(entropy) of the prefix distribution;
 * ``dwell``: how often the most-attended prefix position (mean over heads, as the pipeline's ``top_prefix_pos``)
   is unchanged from the previous step; the paper measures 41% (Qwen2-VL) to 80% (LLaVA-NeXT) over all layers;
-* ``flat`` and ``cell``, where the caller gives the masks (the synthetic scenes: ``pipeline.embedded.probes``):
+* ``flat`` and ``cell``, where the caller gives the masks (the synthetic scenes: ``embedded.probes``):
   the share of the image mass on ``flat`` visual tokens, and on the cell each step describes.
 """
 

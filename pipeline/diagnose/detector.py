@@ -29,14 +29,16 @@ from transformers import BatchFeature
 from rcr.config import RCRConfig
 from rcr.detector import Detector
 from rcr.generate import prefill
+from rcr.methods import RCR
 from rcr.models import geometry, with_answer
 from rcr.scoring import reduce_heads, top_sorted
 
 from .attention import Answer
 
 
-def head_figures(q: torch.Tensor, k: torch.Tensor, det: Detector, h: int, cfg: RCRConfig, scaling: float) -> dict:
+def head_figures(q: torch.Tensor, k: torch.Tensor, det: Detector, h: int, method: RCR, scaling: float) -> dict:
     """q (G, T, d) one KV head's answer queries, k (Np, d) its prefix keys; det the layer's detector (batch 1)."""
+    cfg = method.config
     G, T, _ = q.shape
     n = k.shape[0]
     exact_lg = torch.einsum("gtd,nd->tgn", q, k) * scaling  # (T, G, Np)
@@ -45,7 +47,7 @@ def head_figures(q: torch.Tensor, k: torch.Tensor, det: Detector, h: int, cfg: R
     exact = reduce_heads(exact_lg.unsqueeze(0), valid, cfg.head_reduction)[0]  # (T, Np)
     approx = reduce_heads(approx_lg.unsqueeze(0), valid, cfg.head_reduction)[0]
     mass = torch.softmax(exact_lg, -1).mean(1)  # (T, Np): the exact prefix mass, mean over the G query heads
-    s, c = min(cfg.selected, n), min(cfg.candidates, n)
+    s, c = min(cfg.selected, n), min(method.candidates, n)
     best = torch.gather(mass, 1, top_sorted(exact.unsqueeze(0), s)[0]).sum(-1)  # (T,)
     cand = top_sorted(approx.unsqueeze(0), c)[0]  # (T, C)
     from_cand = torch.gather(cand, 1, top_sorted(torch.gather(exact, 1, cand).unsqueeze(0), s)[0])
@@ -58,8 +60,10 @@ def head_figures(q: torch.Tensor, k: torch.Tensor, det: Detector, h: int, cfg: R
             "cand": float((cand == top).any(-1).float().mean())}
 
 
-def probe(model, answers: list[Answer], cfg: RCRConfig) -> list[list[dict]]:
-    """Per layer, per KV head, the figures of ``head_figures`` averaged over ``answers`` (``top`` from the first)."""
+def probe(model, answers: list[Answer], method: RCR) -> list[list[dict]]:
+    """Per layer, per KV head, the figures of ``head_figures`` averaged over ``answers`` (``top`` from the first),
+    for ``method``'s detector (its rank and candidates) at its budget."""
+    cfg = method.config
     geo = geometry(model)
     G = geo.n_q_heads // geo.n_kv_heads
     rows: list[list[list[dict]]] = []
@@ -74,8 +78,8 @@ def probe(model, answers: list[Answer], cfg: RCRConfig) -> list[list[dict]]:
         for layer in range(geo.n_layers):
             k = p.prefix_kv(layer)[0].float()  # (1, Hkv, Np, d): the prefix region's keys
             q = p.layers[layer].window_queries.float()[0, :, -T:]  # (Hq, T, d): the answer steps' queries
-            det = Detector.build(k, p.prefix_valid, cfg.rank)
-            per_layer.append([head_figures(q[h * G:(h + 1) * G], k[0, h], det, h, cfg, p.scaling)
+            det = Detector.build(k, p.prefix_valid, method.rank)
+            per_layer.append([head_figures(q[h * G:(h + 1) * G], k[0, h], det, h, method, p.scaling)
                               for h in range(geo.n_kv_heads)])
         rows.append(per_layer)
     out = []

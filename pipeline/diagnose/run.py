@@ -20,13 +20,16 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from pipeline import quiet
-from pipeline.analysis import mlflow_store, tracking
+from pipeline.analysis import mlflow_client, mlflow_store
 from pipeline.analysis.analyze import analyze
 from pipeline.analysis.labels import BACON, EXACT, FIXED, FULL, PREFILL_ORACLE
 from pipeline.diagnose import premises
+from pipeline.quiet import say
 from pipeline.run import driver
 from pipeline.run.cli import build_arg_parser
+from pipeline.run.cli import job_config as parse_job
 from pipeline.run.config import ConfigError, JobConfig, model_slug
+from pipeline.run.inputs import scan_inputs
 from pipeline.run.store import OutputStore
 
 METHODS = (FULL, BACON, PREFILL_ORACLE, EXACT, FIXED)  # what the figures need
@@ -72,11 +75,11 @@ def job_config(argv: list[str] | None) -> tuple[JobConfig, int]:
     if ns.probe_samples < 0:
         raise ConfigError("probe_samples", f"must be >= 0, got {ns.probe_samples}")
     rest = _without(argv, "--probe-samples")
-    user = JobConfig.from_args(rest)  # the user's flags alone: task, model, methods
+    user = parse_job(rest)  # the user's flags alone: task, model, methods
     methods = list(dict.fromkeys([*METHODS, *(user.methods if ns.methods else [])]))
     defaults = ["--limit", str(DEFAULT_LIMIT), "--no-summary", "--job-name",
                 f"diagnose-{user.task}-{model_slug(user.model)}", "--rcr", "exact_drift=true"]
-    return JobConfig.from_args(defaults + _without(rest, "--methods") + ["--methods", ",".join(methods)]), \
+    return parse_job(defaults + _without(rest, "--methods") + ["--methods", ",".join(methods)]), \
         ns.probe_samples
 
 
@@ -101,9 +104,11 @@ def probes(cfg: JobConfig, n: int):
     from pipeline.data.images import load_sample_images
     from pipeline.diagnose import attention, detector
     from rcr import RCRConfig
+    from rcr.methods import RCR, parse_method
+    from rcr.methods.rcr import DriftRefresh
     from rcr.models import geometry, load
 
-    _, rows, _ = driver.scan_inputs(cfg)
+    _, rows, _ = scan_inputs(cfg)
     samples = []
     for r in rows[:n]:  # the job's first samples, in shard order
         row = pq.read_table(r.file, columns=["prompt", "images"]).slice(r.row, 1).to_pylist()[0]
@@ -119,12 +124,15 @@ def probes(cfg: JobConfig, n: int):
     answers = [a for a in attention.greedy_answers(model, processor, samples, cfg.max_new_tokens)
                if a.answer.shape[1] >= 2 and a.inputs["input_ids"].shape[1] > rcfg.window]
     if not answers:
-        driver.say(f"probes: no sample has an answer of 2 tokens or more and a prompt longer than the window "
+        say(f"probes: no sample has an answer of 2 tokens or more and a prompt longer than the window "
                    f"({rcfg.window}); the per-layer figures are left out")
         return None, None, None
     layers = attention.profile(model, answers, rcfg.selected)
     context = max(a.inputs["input_ids"].shape[1] for a in answers) + cfg.max_new_tokens - 1  # the decode's longest
-    return layers, detector.probe(model, answers, rcfg), geometry(model).reselected(context)
+    # the detector of the job's first drift-triggered method (its rank and candidates), else rcr's defaults
+    drift = [m for m in (parse_method(label, rcfg) for label in cfg.methods) if isinstance(m, DriftRefresh)]
+    probed = drift[0] if drift else RCR(rcfg)
+    return layers, detector.probe(model, answers, probed), geometry(model).reselected(context)
 
 
 def layer_frames(layers: list[dict], heads: list[list[dict]], treated) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -163,10 +171,10 @@ def plot(a, layers: list[dict] | None, treated, path: Path) -> Path:
 def log_run(cfg: JobConfig, figs: list[premises.Figure], files: list[Path], n_samples: int) -> str:
     """One MLflow run: the config as params, the figures as metrics, the tables and plot as artifacts. A failure
     part way marks the run FAILED and raises."""
-    uri = tracking.resolve_tracking_uri(cfg.mlflow_uri)
-    client = tracking._client(uri)
-    exp_id = tracking._experiment_id(client, cfg.experiment, uri)
-    run = client.create_run(exp_id, run_name=cfg.job_name, tags={tracking.TAG_ROLE: "diagnose"})
+    uri = mlflow_client.resolve_tracking_uri(cfg.mlflow_uri)
+    client = mlflow_client.client(uri)
+    exp_id = mlflow_client.experiment_id(client, cfg.experiment, uri)
+    run = client.create_run(exp_id, run_name=cfg.job_name, tags={mlflow_client.TAG_ROLE: "diagnose"})
     rid = run.info.run_id
     try:
         params = {"model": cfg.model, "task": cfg.task, "n_samples": n_samples, "config_hash": cfg.config_hash,
@@ -195,7 +203,7 @@ def run(cfg: JobConfig, probe_samples: int, argv: list[str] | tuple[str, ...] = 
     a = analyze(df, baselines=(BACON, PREFILL_ORACLE))
     layers = heads = treated = None
     if probe_samples:
-        driver.say(f"probes: answering {probe_samples} sample(s) again with eager attention")
+        say(f"probes: answering {probe_samples} sample(s) again with eager attention")
         layers, heads, treated = probes(cfg, probe_samples)
     figs = premises.figures(a, layers, heads, treated)
     n = int(df["sample_id"].nunique())
@@ -211,13 +219,13 @@ def run(cfg: JobConfig, probe_samples: int, argv: list[str] | tuple[str, ...] = 
         lf.to_parquet(files[1])
         hf.to_parquet(files[2])
     files.append(plot(a, layers, treated, out / "premises.png"))
-    driver.say(f"premise tables and plot: {out}")
+    say(f"premise tables and plot: {out}")
     try:
         rid = log_run(cfg, figs, files, n)
-        driver.say(f"MLflow run {rid}: {cfg.mlflow_uri}")
+        say(f"MLflow run {rid}: {cfg.mlflow_uri}")
     except Exception as e:  # noqa: BLE001 - the figures are printed and written; MLflow is a convenience
         again = shlex.join(["python", "jobs/diagnose.py", *argv])
-        driver.say(f"MLflow logging failed ({mlflow_store.error_cause(e)}); the run is marked FAILED, the tables "
+        say(f"MLflow logging failed ({mlflow_store.error_cause(e)}); the run is marked FAILED, the tables "
                    f"are in {out} and the rows in {cfg.output_dir}. Log it by running the same command again (it "
                    f"computes no rows, only the probes): {again}")
         return driver.MLFLOW_FAILED_EXIT

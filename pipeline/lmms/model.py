@@ -17,6 +17,7 @@ telemetry_summary``, the job's own row summaries) and, with ``fidelity=true``, t
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -31,10 +32,12 @@ from tqdm import tqdm
 import rcr
 import rcr.models
 from pipeline.analysis.text_metrics import rouge_l_f1
-from pipeline.run.calibration import shipped_dir
 from pipeline.schema import telemetry_summary
 from rcr.config import ConfigError, RCRConfig
 from rcr.embedded import NAME as EMBEDDED
+from rcr.embedded import model_dir as embedded_dir
+from rcr.methods import METHODS, Method
+from rcr.methods.knobs import knob_fields
 
 MODEL_ARGS = ("pretrained", "method", "device", "dtype", "batch_size", "max_batch_size", "fidelity", "max_frames",
               "trust_remote_code")
@@ -65,37 +68,36 @@ def decode_plan(gen: dict | None) -> tuple[int, tuple[str, ...]]:
     until = gen.pop("until", None)
     until = [until] if isinstance(until, str) else list(until or [])
     if not all(isinstance(s, str) for s in until):
-        raise ConfigError(f"generation argument until={until!r}: expected a string or a list of strings")
+        raise ConfigError("generation argument until", f"expected a string or a list of strings, got {until!r}")
     max_new = gen.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-        raise ConfigError(f"generation argument max_new_tokens={max_new!r}: must be an integer >= 1")
+        raise ConfigError("generation argument max_new_tokens", f"must be an integer >= 1, got {max_new!r}")
     do_sample, temperature = gen.pop("do_sample", None), gen.pop("temperature", 0) or 0
     # lmms-eval's own HF models sample when temperature > 0 unless do_sample says otherwise
     if do_sample or (do_sample is None and temperature > 0):
-        raise ConfigError(f"generation argument do_sample={do_sample!r} (temperature={temperature!r}): sampling is "
+        raise ConfigError("generation argument do_sample", f"{do_sample!r} (temperature={temperature!r}): sampling is "
                           "not supported; the rcr model decodes greedily (do_sample=false, temperature=0)")
     beams = gen.pop("num_beams", 1)
     if beams not in (None, 1):
-        raise ConfigError(f"generation argument num_beams={beams!r}: beam search is not supported; the rcr model "
+        raise ConfigError("generation argument num_beams", f"{beams!r}: beam search is not supported; the rcr model "
                           "decodes greedily (num_beams=1)")
     for name, neutral in (("repetition_penalty", 1.0), ("num_return_sequences", 1)):
         value = gen.pop(name, neutral)
         if value not in (None, neutral):
-            raise ConfigError(f"generation argument {name}={value!r}: not supported; the rcr model decodes "
+            raise ConfigError(f"generation argument {name}", f"{value!r}: not supported; the rcr model decodes "
                               f"greedily ({name}={neutral})")
     for name in GREEDY_NEUTRAL:
         gen.pop(name, None)
     if gen:
         name, value = next(iter(gen.items()))
-        raise ConfigError(f"generation argument {name}={value!r}: not supported by the rcr model (it honours "
+        raise ConfigError(f"generation argument {name}", f"{value!r}: not supported by the rcr model (it honours "
                           "max_new_tokens and until, and decodes greedily)")
     return max_new, tuple(until)
 
 
-def _field_value(name: str, value):
-    """A model arg for an RCRConfig field, checked against the field's default's type (lmms-eval parses
+def _field_value(name: str, value, default):
+    """A model arg for a field whose default is ``default``, checked against the default's type (lmms-eval parses
     ``k=v`` into bool, int, float or str)."""
-    default = next(f.default for f in dataclasses.fields(RCRConfig) if f.name == name)
     if isinstance(value, str) and value.lower() == "none" and default is None:
         return None
     ok = {bool: lambda v: isinstance(v, bool), int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -103,24 +105,33 @@ def _field_value(name: str, value):
           str: lambda v: isinstance(v, str)}.get(type(default), lambda v: isinstance(v, str))
     if not ok(value):
         want = "a string or none" if default is None else type(default).__name__
-        raise ConfigError(f"model arg {name}={value!r}: RCRConfig.{name} must be {want}")
+        raise ConfigError(f"model arg {name}", f"must be {want}, got {value!r}")
     return float(value) if isinstance(default, float) else value
 
 
-def rcr_config(method: str, pretrained: str, fields: dict) -> RCRConfig:
-    """The RCRConfig of the model args that are not the model's own; validates ``method`` with it."""
-    unknown = sorted(set(fields) - set(CONFIG_FIELDS))
+def build_method(method: str, pretrained: str, fields: dict) -> Method:
+    """The method of the model args: ``method`` (a label) with the args that are its own knobs (``method=rcr,rho=0.3``:
+    lmms-eval splits model args on commas, so a knob can be its own arg) and a config of the shared RCRConfig
+    fields. A method that calibrates offline must find its calibration without held-out samples: shipped with the
+    checkpoint (the embedded model's), or given (``calibration=DIR``, or ``calibration=per_sample``)."""
+    name = str(method).partition("@")[0]
+    knobs = {f.name: f.default for f in knob_fields(METHODS[name]).values()} if name in METHODS else {}
+    unknown = sorted(set(fields) - set(CONFIG_FIELDS) - set(knobs))
     if unknown:
-        raise ConfigError(f"model arg {unknown[0]}={fields[unknown[0]]!r}: unknown; the rcr model takes "
-                          f"{', '.join(MODEL_ARGS)} and the RCRConfig fields ({', '.join(CONFIG_FIELDS)})")
-    config = RCRConfig(**{k: _field_value(k, v) for k, v in fields.items()})
-    if rcr.parse_method(method, config).name == "infinigen" and config.infinigen_calibration is None:
-        # offline, as InfiniGen's authors calibrate (docs/algorithms.md): the embedded model ships one
-        if pretrained != EMBEDDED:
-            raise ConfigError("model arg infinigen_calibration: method=infinigen needs a calibration directory "
-                              "(python -m rcr.calibrate_infinigen) or infinigen_calibration=per_sample")
-        config = config.replace(infinigen_calibration=str(shipped_dir()))
-    return config
+        raise ConfigError(f"model arg {unknown[0]}", f"unknown (got {fields[unknown[0]]!r}); the rcr model takes "
+                          f"{', '.join(MODEL_ARGS)}, the RCRConfig fields ({', '.join(CONFIG_FIELDS)}) and the "
+                          f"method's own ({', '.join(knobs) or 'none'})")
+    defaults = {f.name: f.default for f in dataclasses.fields(RCRConfig)}
+    config = RCRConfig(**{k: _field_value(k, v, defaults[k]) for k, v in fields.items() if k in CONFIG_FIELDS})
+    own = [f"{k}={_field_value(k, v, knobs[k])}" for k, v in fields.items() if k in knobs]
+    label = method + (("," if "@" in method else "@") + ",".join(own) if own else "")
+    m = rcr.parse_method(label, config)
+    model_dir = str(embedded_dir()) if pretrained == EMBEDDED else pretrained
+    if m.calibration_samples(model_dir if os.path.isdir(model_dir) else None) > 0:
+        raise ConfigError(f"model arg {name}.calibration", f"method={method} is calibrated offline, on samples it is "
+                          "not evaluated on, and lmms-eval hands it none: give calibration=DIR (python -m "
+                          "rcr.calibrate_infinigen --model M --out DIR) or calibration=per_sample (the ablation)")
+    return m
 
 
 def _device(device: str) -> str:
@@ -151,26 +162,27 @@ class RCRModel(lmms):
                  batch_size: int | str = 1, max_batch_size: int | None = None, fidelity: bool = False,
                  max_frames: int = 32, trust_remote_code: bool = False, **fields):
         super().__init__()
-        self.config = rcr_config(method, pretrained, fields)  # every check before the model loads
-        self.method = method
+        self.method_ = build_method(method, pretrained, fields)  # every check before the model loads
+        self.config, self.method = self.method_.config, self.method_.label
         if not (isinstance(batch_size, int) or str(batch_size).isdigit()) or int(batch_size) < 1:
-            raise ConfigError(f"model arg batch_size={batch_size!r}: must be an integer >= 1 (the rcr model has "
+            raise ConfigError("model arg batch_size", f"{batch_size!r}: must be an integer >= 1 (the rcr model has "
                               "no automatic batch sizing)")
         self.batch_size_per_gpu = int(batch_size)
         for name, value in (("fidelity", fidelity), ("trust_remote_code", trust_remote_code)):
             if not isinstance(value, bool):
-                raise ConfigError(f"model arg {name}={value!r}: must be true or false")
+                raise ConfigError(f"model arg {name}", f"must be true or false, got {value!r}")
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
-            raise ConfigError(f"model arg max_frames={max_frames!r}: must be an integer >= 1")
+            raise ConfigError("model arg max_frames", f"must be an integer >= 1, got {max_frames!r}")
         self.fidelity, self.max_frames = fidelity, max_frames
         if dtype not in DTYPES:
-            raise ConfigError(f"model arg dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
+            raise ConfigError("model arg dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
         try:
             self._device = torch.device(_device(device))
         except (RuntimeError, TypeError) as e:
-            raise ConfigError(f"model arg device={device!r}: not a torch device ({e})") from None
+            raise ConfigError("model arg device", f"not a torch device ({e}), got {device!r}") from None
         self.model, self.processor = rcr.models.load(pretrained, device=self._device, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
+        self.method_.prepare(self.model)  # the calibration shipped with the checkpoint, where one does
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.takes_video = getattr(self.processor, "video_processor", None) is not None
 
@@ -202,15 +214,15 @@ class RCRModel(lmms):
         images = [v for v in items if isinstance(v, Image.Image)]
         if len(videos) + len(images) != len(items):
             other = next(v for v in items if not (_is_video(v) or isinstance(v, Image.Image)))
-            raise ConfigError(f"task {task}: doc_to_visual gave a {type(other).__name__}; the rcr model takes PIL "
+            raise ConfigError(f"task {task}", f"doc_to_visual gave a {type(other).__name__}; the rcr model takes PIL "
                               "images or one video file")
         if not videos:
             return ("image" if images else "text"), [im.convert("RGB") for im in images]
         if images or len(videos) > 1:
-            raise ConfigError(f"task {task}: doc_to_visual gave {len(videos)} video(s) and {len(images)} image(s); "
+            raise ConfigError(f"task {task}", f"doc_to_visual gave {len(videos)} video(s) and {len(images)} image(s); "
                               "the rcr model takes images or one video")
         if not self.takes_video:
-            raise ConfigError(f"task {task} gives a video: model_type {self.model.config.model_type} takes none "
+            raise ConfigError(f"task {task}", f"it gives a video: model_type {self.model.config.model_type} takes none "
                               "(docs/models.md)")
         from transformers.video_utils import load_video
 
@@ -237,7 +249,7 @@ class RCRModel(lmms):
     def _decode(self, prompts: list[str], media: list[list], kind: str, max_new: int, until: tuple[str, ...]):
         """One left-padded batch -> per sample (text, input tokens, telemetry)."""
         inputs = rcr.models.build_inputs(self.processor, prompts, media, video=kind == "video")
-        labels = [self.method] + (["full"] if self.fidelity and self.method != "full" else [])
+        labels = [self.method_] + (["full"] if self.fidelity and self.method != "full" else [])
         with torch.inference_mode():
             out = rcr.generate(self.model, inputs.to(self._device), method=labels, max_new_tokens=max_new,
                                config=self.config)

@@ -20,9 +20,15 @@ from pathlib import Path
 from pipeline.data.shards import SUCCESS_MARKER, DataError, write_synthetic_shards
 from pipeline.lmms.task_utils import METRICS
 from pipeline.schema import INPUT_SCHEMA
+from pipeline.tasks import TASKS
 
-# lmms-eval's own DetailCaps and TextCaps generation lengths (their task YAMLs)
-MAX_NEW_TOKENS = {"detailcaps": 512, "textcaps": 64}
+
+def caption_tasks() -> list[str]:
+    """The registered image tasks (``pipeline/tasks/``): DetailCaps and TextCaps, whose output lengths are
+    lmms-eval's own (512 and 64 new tokens in its task YAMLs)."""
+    return [name for name, t in TASKS.items() if t.media == "image"]
+
+
 TASK_PREFIX = "rcr_"
 UTILS_SHIM = ("# lmms-eval loads a task's !function entries from utils.py beside its YAML\n"
               "from pipeline.lmms.task_utils import *  # noqa: F401,F403\n")
@@ -95,14 +101,14 @@ def write_tasks(out_dir: str | Path, shards: dict[str, str | Path] | None = None
     out = Path(out_dir)
     if not shards:
         shards = {}
-        for task in MAX_NEW_TOKENS:
+        for task in (t for t in caption_tasks() if TASKS[t].embedded_size):
             write_synthetic_shards(task, out / "shards" / task, n=n)
             shards[task] = out / "shards" / task
     paths = []
     for task, data in shards.items():
-        if task not in MAX_NEW_TOKENS:
-            raise DataError(f"--shards {task}=...: task must be one of {', '.join(MAX_NEW_TOKENS)}")
-        paths.append(write_task(out, TASK_PREFIX + task, data, max_new_tokens or MAX_NEW_TOKENS[task]))
+        if task not in caption_tasks():
+            raise DataError(f"--shards {task}=...: task must be one of {', '.join(caption_tasks())}")
+        paths.append(write_task(out, TASK_PREFIX + task, data, max_new_tokens or TASKS[task].max_new_tokens))
     return paths
 
 

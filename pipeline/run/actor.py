@@ -26,9 +26,11 @@ import pyarrow as pa
 
 from pipeline.data.images import BadInput, load_sample_images
 from pipeline.quiet import quiet_model_loading
+from pipeline.run.calibration import prepare_methods
 from pipeline.run.config import JobConfig, default_max_new_tokens
 from pipeline.run.select import METHODS_COLUMN  # optional input column: the methods still missing (resume)
-from pipeline.schema import TASKS, JobStamp, error_rows, output_row, output_table
+from pipeline.schema import JobStamp, error_rows, output_row, output_table
+from pipeline.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -118,24 +120,36 @@ class RcrEngine:
             self.model, self.processor = rcr.models.load(cfg.model_path(), device=device, dtype=torch_dtype,
                                                          trust_remote_code=cfg.trust_remote_code)
         self.rcr_config = rcr.RCRConfig(**cfg.rcr)
+        self.labels = list(cfg.methods)
+        self.methods: dict = {}  # label -> its method, built once (``method``): prepare() may calibrate it
+        self.model_dir = cfg.model_path()
+        self.limits = (cfg.max_frames, cfg.max_image_bytes, cfg.max_image_pixels)
         self.max_new_tokens = cfg.max_new_tokens
         self.model_name = cfg.model
         self.geometry = rcr.models.geometry(self.model)
         self.reselected: tuple[bool, ...] | None = None  # as last logged
 
-    def use_infinigen_calibration(self, directory: str) -> None:
-        """Decode ``infinigen`` with the calibration in ``directory`` (``pipeline/run/calibration.py``)."""
-        self.rcr_config = self.rcr_config.replace(infinigen_calibration=directory)
+    def prepare(self, payload: dict | None) -> None:
+        """Each method's set-up for this model, once (``pipeline/run/calibration.py``): ``payload`` is what the
+        driver resolved (the calibration records, and held-out rows for the methods that calibrate on them)."""
+        prepare_methods([self.method(label) for label in self.labels], self.model, self.processor, self.model_dir,
+                        payload, self.limits)
+
+    def method(self, label: str):
+        if label not in self.methods:
+            self.methods[label] = self.rcr.parse_method(label, self.rcr_config)
+        return self.methods[label]
 
     def run(self, prompts: list[str], images: list[list], methods: list[str], task: str):
         """One left-padded batch, one shared prefill, every method -> label -> GenerationResult."""
-        inputs = self.rcr.models.build_inputs(self.processor, prompts, images, video=(task == "video"))
+        inputs = self.rcr.models.build_inputs(self.processor, prompts, images, video=TASKS[task].video)
         self.check_context(int(inputs["input_ids"].shape[1]))
         self.log_reselected(int(inputs["input_ids"].shape[1]))
         inputs = inputs.to(self.device)
+        chosen = [self.method(m) for m in methods]
         with self.torch.inference_mode():
-            results = self.rcr.generate(self.model, inputs, method=list(methods),
-                                        max_new_tokens=self.max_new_tokens, config=self.rcr_config)
+            results = self.rcr.generate(self.model, inputs, method=chosen, max_new_tokens=self.max_new_tokens,
+                                        config=self.rcr_config)
         return results
 
     def check_context(self, n_input: int) -> None:
@@ -179,8 +193,8 @@ class SampleEvaluator:
     """Ray Data callable class: the model is loaded once per actor, in ``__init__``."""
 
     def __init__(self, config: dict, config_hash: str | None = None, calibration: dict | None = None):
-        """``calibration``: InfiniGen's calibration as the driver resolved it (``CalibrationSpec.actor_payload``);
-        the actor materialises it once, before its first batch."""
+        """``calibration``: the methods' calibrations as the driver resolved them (``CalibrationPlan.payload``);
+        the engine prepares its methods with them once, before the first batch."""
         self.cfg = JobConfig.from_dict(config, validate=False)  # the driver validated it (paths are its own)
         if self.cfg.max_new_tokens is None:  # a hand-written config: the task's default, as validate() fills in
             self.cfg.max_new_tokens = default_max_new_tokens(self.cfg.task)
@@ -203,12 +217,8 @@ class SampleEvaluator:
         self.dtype = dtype
         t0 = time.perf_counter()
         self.engine = _import_engine(self.cfg.engine)(self.cfg, self.device, dtype)
-        self._calibration_dir = None  # a temporary directory this actor calibrated into, kept while it lives
         if calibration is not None:
-            from pipeline.run.calibration import materialize
-
-            directory, self._calibration_dir = materialize(calibration, self.engine, self.cfg)
-            self.engine.use_infinigen_calibration(directory)
+            self.engine.prepare(calibration)
         self.load_s = time.perf_counter() - t0
         log.info("SampleEvaluator: %s on %s/%s loaded in %.1fs (pid %d)", self.cfg.model, self.device, dtype,
                  self.load_s, os.getpid())

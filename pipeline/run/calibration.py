@@ -1,219 +1,122 @@
-"""InfiniGen's calibration for a job: once, offline, on samples the job does not evaluate (docs/pipeline.md,
-"InfiniGen calibration"; docs/algorithms.md, "infinigen").
+"""Held-out samples for the methods that calibrate offline (docs/pipeline.md, "Calibration").
 
-InfiniGen's authors calibrate their skew matrices and partial columns once, on a calibration text, never on
-the prompt being evaluated. A job with ``infinigen`` among its methods therefore resolves
-``rcr.infinigen_calibration`` in the driver (:func:`resolve`), before the config hash is taken:
+A method says, for the job's model, how many samples it calibrates on (``Method.calibration_samples``; InfiniGen
+asks for 8 unless it was given a calibration or the checkpoint ships one) and what its calibration is
+(``Method.calibration_record``). The pipeline knows nothing else of it:
 
-* a directory (``--rcr infinigen_calibration=DIR``, from ``python -m rcr.calibrate_infinigen``): used as given;
-* ``per_sample``: each sample calibrated on its own prefill, the ablation;
-* unset, embedded model: the calibration shipped with it, ``rcr/embedded_model/infinigen_calibration/``,
-  made by ``python -m pipeline.run.calibration`` on synthetic scenes of a seed that neither training nor the
-  evaluation shards use;
-* unset, any other model: the first ``N_HELDOUT`` input rows after the evaluated ones (``--limit``), in shard
-  order; each actor calibrates on them once, at start-up (:func:`materialize`). A job that evaluates every
-  row has none to spare: the driver then names the field and the three ways out.
-
-The resolved source and its digest go into ``rcr.extra.infinigen_calibration`` (so into the config hash, the
-run record and MLflow's params); every ``infinigen`` row records the calibration it used (``calibration``,
-``calibration_sha256``).
+* the driver (:func:`plan`) takes the first ok input rows after the evaluated ones (``--limit``), in shard order,
+  and records each method's calibration in ``rcr.extra["<label>_calibration"]``, so in the config hash, the run
+  record and MLflow's params; a method that needs samples the job cannot spare raises a ConfigError naming its
+  field and the ways out;
+* each actor (:func:`prepare_methods`) builds those rows into processor inputs once, at start-up, calls
+  ``Method.prepare`` on every method and checks that each calibration is the one the driver recorded.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import hashlib
 import json
-import os
-import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
 
-from rcr.skewing import CALIBRATION_META, PER_SAMPLE, calibration_digest
-
-CALIBRATION_DIR = "infinigen_calibration"  # the embedded model's shipped calibration, inside its directory
-CALIBRATION_SEED = 20_000  # synthetic scenes of the shipped calibration: not the recipe's seeds, not evaluation's
-N_HELDOUT = 8  # calibration samples (the shipped file and held-out input rows): ~3k prompt tokens on the embedded
-# model, the scale of InfiniGen's 2048-token PG-19 calibration text
-
-
-class CalibrationError(ValueError):
-    """No calibration can be resolved; the message says why and what to pass instead."""
+RECORD_SUFFIX = "_calibration"  # rcr.extra["<label>_calibration"]: what a method label was calibrated on
 
 
 @dataclass(frozen=True)
-class CalibrationSpec:
-    """What a job's ``infinigen`` rows are calibrated on. ``kind``: "dir" (a given directory), "shipped"
-    (the embedded model's), "heldout" (input rows the job does not evaluate) or "per_sample"."""
+class Heldout:
+    """The held-out input rows of a job: their ``source`` (a description) and content digest, and the rows
+    (``sample_id``, ``task``, ``prompt``, ``images``)."""
 
-    kind: str
-    source: str  # human-readable; recorded in the config (hash), the run record and MLflow
-    sha256: str  # of the tensor file ("dir", "shipped"), of the held-out rows' contents ("heldout"), or ""
-    rows: list[dict] = field(default_factory=list)  # "heldout": sample_id, task, prompt, images
+    source: str
+    sha256: str
+    rows: list[dict] = field(default_factory=list)
 
-    def record(self) -> dict[str, str]:
-        """The part that goes into ``rcr.extra`` (no image bytes)."""
-        return {"kind": self.kind, "source": self.source, "sha256": self.sha256}
-
-    def actor_payload(self) -> dict[str, Any] | None:
-        """What an actor needs to materialise it; None when the config's directory (or per-sample) suffices."""
-        return asdict(self) if self.kind in ("shipped", "heldout") else None
+    def info(self) -> dict[str, str]:
+        return {"source": self.source, "sha256": self.sha256}
 
 
-def shipped_dir() -> Path:
-    from rcr.embedded import model_dir
+@dataclass(frozen=True)
+class CalibrationPlan:
+    records: dict[str, dict]  # label -> Method.calibration_record
+    heldout: Heldout | None  # the rows, when some method calibrates on them
 
-    return model_dir() / CALIBRATION_DIR
-
-
-def _meta(path: str | os.PathLike) -> dict:
-    f = Path(path) / CALIBRATION_META
-    return json.loads(f.read_text()) if f.is_file() else {}
-
-
-def embedded_weights_sha256() -> str:
-    """sha256 (16 hex digits) of the embedded model's weights: the shipped calibration records the model it
-    was made for, and a job refuses it for another (a retrained model needs a new calibration)."""
-    from rcr.embedded import model_dir
-
-    return hashlib.sha256((model_dir() / "model.safetensors").read_bytes()).hexdigest()[:16]
+    def payload(self) -> dict | None:
+        """What an actor needs (:func:`prepare_methods`); None when no method calibrates."""
+        if not self.records:
+            return None
+        return {"records": self.records, "heldout": asdict(self.heldout) if self.heldout else None}
 
 
-def runs_infinigen(methods: list[str]) -> bool:
+def _methods(cfg) -> list:
+    import rcr
     from rcr.methods import parse_method
 
-    return any(parse_method(m).name == "infinigen" for m in methods)
+    config = rcr.RCRConfig.from_dict(cfg.rcr)
+    return [parse_method(label, config) for label in cfg.methods]
 
 
-def resolve(cfg, paths: list[str], evaluated: list) -> CalibrationSpec | None:
-    """The calibration of ``cfg``'s ``infinigen`` rows (None when it runs no infinigen). ``paths``: the job's
-    shard files; ``evaluated``: the rows it evaluates (``ShardRow``, from ``scan_shards``)."""
-    if not runs_infinigen(cfg.methods):
-        return None
-    value = cfg.rcr.get("infinigen_calibration")
-    if value == PER_SAMPLE:
-        return CalibrationSpec("per_sample", "per_sample: each sample's own prefill (ablation)", "")
-    if value is not None:
-        return CalibrationSpec("dir", _meta(value).get("description") or str(value), calibration_digest(value))
-    if cfg.model == "embedded":
-        d = shipped_dir()
-        meta = _meta(d)
-        if not (d / "infinigen.safetensors").is_file():
-            raise CalibrationError(f"the embedded model's InfiniGen calibration {d} is missing; write it with "
-                                   "`python -m pipeline.run.calibration`")
-        if meta.get("model_sha256") != embedded_weights_sha256():
-            raise CalibrationError(f"the embedded model's InfiniGen calibration {d} was made for other weights "
-                                   f"(model sha256 {meta.get('model_sha256')}, these are {embedded_weights_sha256()}); "
-                                   "rewrite it with `python -m pipeline.run.calibration`")
-        return CalibrationSpec("shipped", meta.get("description") or "embedded model's shipped calibration",
-                               calibration_digest(d))
-    return _heldout(cfg, paths, evaluated)
+def plan(cfg, paths: list[str], evaluated: list) -> CalibrationPlan:
+    """Each method's calibration for ``cfg``'s job. ``paths``: the job's shard files; ``evaluated``: the rows it
+    evaluates (``ShardRow``, from the shard scan)."""
+    model_dir = cfg.model_path()
+    methods = _methods(cfg)
+    n = max((m.calibration_samples(model_dir) for m in methods), default=0)
+    heldout = _heldout(cfg, paths, evaluated, n) if n else None
+    records = {}
+    for m in methods:
+        wants = m.calibration_samples(model_dir) > 0
+        record = m.calibration_record(model_dir, heldout.info() if wants and heldout else None)
+        if record is not None:
+            records[m.label] = record
+    return CalibrationPlan(records, heldout)
 
 
-def _heldout(cfg, paths: list[str], evaluated: list) -> CalibrationSpec:
-    """The first ``N_HELDOUT`` ok input rows after the evaluated ones, in shard order."""
+def _heldout(cfg, paths: list[str], evaluated: list, n: int) -> Heldout | None:
+    """The first ``n`` ok input rows after the evaluated ones, in shard order; None when the job evaluates them
+    all (no ``--limit``) or none are left."""
     import pyarrow.parquet as pq
 
-    from pipeline.run.store import fingerprint_row, scan_shards
+    from pipeline.run.inputs import scan_shards
+    from pipeline.run.select import fingerprint_row
 
-    spare = []
-    if cfg.limit is not None:
-        ids = {r.sample_id for r in evaluated}
-        after = scan_shards(paths, len(evaluated) + 4 * N_HELDOUT)[0][len(evaluated):]
-        spare = [r for r in after if r.error is None and r.sample_id not in ids][:N_HELDOUT]
+    if cfg.limit is None:
+        return None
+    ids = {r.sample_id for r in evaluated}
+    after = scan_shards(paths, len(evaluated) + 4 * n)[0][len(evaluated):]
+    spare = [r for r in after if r.error is None and r.sample_id not in ids][:n]
     if not spare:
-        raise CalibrationError(
-            "InfiniGen is calibrated offline, on input rows the job does not evaluate, and this job evaluates "
-            "every row: pass --limit below the input size (the rows after it are the calibration set), a "
-            "calibration directory (`python -m rcr.calibrate_infinigen --model M --out DIR [--images DIR]`, then "
-            "--rcr infinigen_calibration=DIR), or --rcr infinigen_calibration=per_sample (the ablation)")
+        return None
     rows = []
     for r in spare:
         t = pq.read_table(r.file, columns=["sample_id", "task", "prompt", "images", "references", "source"])
         rows.append(t.slice(r.row, 1).to_pylist()[0])
-    h = hashlib.sha256(json.dumps([fingerprint_row(x) for x in rows]).encode()).hexdigest()[:16]
-    ids = [x["sample_id"] for x in rows]
-    source = f"heldout: {len(rows)} input rows after the {len(evaluated)} evaluated ({ids[0]} .. {ids[-1]})"
-    return CalibrationSpec("heldout", source, h, [{k: x[k] for k in ("sample_id", "task", "prompt", "images")}
-                                                  for x in rows])
+    digest = hashlib.sha256(json.dumps([fingerprint_row(x) for x in rows]).encode()).hexdigest()[:16]
+    ids_ = [x["sample_id"] for x in rows]
+    source = f"heldout: {len(rows)} input rows after the {len(evaluated)} evaluated ({ids_[0]} .. {ids_[-1]})"
+    return Heldout(source, digest, [{k: x[k] for k in ("sample_id", "task", "prompt", "images")} for x in rows])
 
 
-def calibrate_rows(model, processor, rows: list[dict], ratio: float, out_dir: str | os.PathLike,
-                   description: str, limits: tuple[int, int, int] = (64, 64 * 2**20, 50_000_000),
-                   extra: dict | None = None, window: int = 32) -> dict:
-    """Calibrate on input rows (``sample_id``, ``task``, ``prompt``, ``images`` bytes) and write the directory
-    (``rcr.skewing.save_calibration``) with ``calibration.json`` = how (plus ``extra``). ``limits``: max
-    frames, image bytes and pixels; ``window``: the queries of each prompt's last ``window`` tokens calibrate the
-    skew, the keys before them the columns (``rcr.calibrate_infinigen.calibrate``). Returns that meta."""
-    import torch
-    import transformers
-
+def prepare_methods(methods: list, model, processor, model_dir: str, payload: dict | None,
+                    limits: tuple[int, int, int]) -> None:
+    """In an actor: ``Method.prepare`` for every method (the held-out rows of ``payload`` as processor inputs for
+    those that calibrate on them), then check each calibration against the driver's record. ``limits``: max
+    frames, image bytes and pixels of an input row."""
     from pipeline.data.images import load_sample_images
-    from rcr.calibrate_infinigen import calibrate
+    from pipeline.tasks import TASKS
     from rcr.models import build_inputs
-    from rcr.skewing import save_calibration
 
-    inputs = [build_inputs(processor, [r["prompt"]], [load_sample_images(r["images"], r["task"], *limits)],
-                           video=r["task"] == "video") for r in rows]
-    skews, cols, stats = calibrate(model, inputs, ratio, window)
-    meta = {"description": description, "sample_ids": [r["sample_id"] for r in rows], "partial_ratio": ratio,
-            "dtype": str(next(model.parameters()).dtype), "torch": torch.__version__,
-            "transformers": transformers.__version__, **stats, **(extra or {})}
-    save_calibration(str(out_dir), skews, cols, meta)
-    return meta
-
-
-def materialize(payload: dict, engine, cfg) -> tuple[str, tempfile.TemporaryDirectory | None]:
-    """In an actor: the calibration directory of ``payload`` (``CalibrationSpec.actor_payload``), and the
-    temporary directory holding it when the actor had to calibrate (keep it alive while decoding)."""
-    spec = CalibrationSpec(**payload)
-    if spec.kind == "shipped":
-        d = shipped_dir()
-        got = calibration_digest(d)
-        if got != spec.sha256:
-            raise RuntimeError(f"this worker's {d} (sha256 {got}) is not the driver's ({spec.sha256})")
-        return str(d), None
-    tmp = tempfile.TemporaryDirectory(prefix="rcr-infinigen-")
-    ratio = cfg.rcr.get("infinigen_partial_ratio", 0.25)
-    calibrate_rows(engine.model, engine.processor, spec.rows, ratio, tmp.name, spec.source,
-                   (cfg.max_frames, cfg.max_image_bytes, cfg.max_image_pixels), window=cfg.rcr.get("window", 32))
-    return tmp.name, tmp
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Write the embedded model's shipped calibration (rerun after retraining the model)."""
-    from pipeline.data import synthetic
-    from pipeline.embedded.recipe import Recipe
-    from rcr.embedded import model_dir
-    from rcr.models import load
-
-    ap = argparse.ArgumentParser(prog="python -m pipeline.run.calibration", description=main.__doc__)
-    ap.add_argument("--out", default=str(shipped_dir()), help="output directory (default: the shipped one)")
-    ap.add_argument("--n", type=int, default=N_HELDOUT, help=f"synthetic detailcaps scenes (default {N_HELDOUT})")
-    ap.add_argument("--seed", type=int, default=CALIBRATION_SEED, help=f"scene seed (default {CALIBRATION_SEED})")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    recipe = Recipe.load(model_dir())  # the scenes the model was trained on are drawn with its seeds
-    if args.seed in (recipe.seed, recipe.polish_seed, synthetic.HELDOUT_SEED):
-        ap.error(f"--seed {args.seed} is a training seed ({recipe.seed}, {recipe.polish_seed}) or the evaluation "
-                 f"seed ({synthetic.HELDOUT_SEED})")
-    model, processor = load(str(model_dir()), device="cpu", dtype="float32")
-    rows = [synthetic.make_record("detailcaps", args.seed, i, layout=synthetic.DEFAULT_LAYOUT) for i in range(args.n)]
-    desc = (f"offline: {args.n} synthetic detailcaps scenes (layout {synthetic.DEFAULT_LAYOUT}, seed {args.seed}; "
-            f"training uses seeds {recipe.seed} and {recipe.polish_seed}, the evaluation shards "
-            f"{synthetic.HELDOUT_SEED})")
-    command = " ".join(["python -m pipeline.run.calibration", *(sys.argv[1:] if argv is None else argv)])
-    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = calibrate_rows(model, processor, rows, 0.25, args.out, desc,
-                          extra={"command": command, "created_utc": created, "model": "embedded",
-                                 "model_sha256": embedded_weights_sha256()})
-    print(f"wrote {Path(args.out) / 'infinigen.safetensors'} (sha256 {calibration_digest(args.out)}): "
-          f"{meta['n_layers']} layers x {meta['n_kv_heads']} KV heads, {meta['partial_columns']} partial columns, "
-          f"{meta['n_tokens']} tokens from {meta['n_prompts']} scenes")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    payload = payload or {"records": {}, "heldout": None}
+    held = Heldout(**payload["heldout"]) if payload["heldout"] else None
+    samples = None
+    for m in methods:
+        if held is not None and m.calibration_samples(model_dir) > 0:
+            if samples is None:
+                samples = [build_inputs(processor, [r["prompt"]], [load_sample_images(r["images"], r["task"], *limits)],
+                                        video=TASKS[r["task"]].video) for r in held.rows]
+            m.prepare(model, samples, held.source)
+        else:
+            m.prepare(model)
+        want = payload["records"].get(m.label)
+        got = m.calibration_record(model_dir, held.info() if held and m.calibration_samples(model_dir) else None)
+        if want is not None and (got or {}).get("sha256") != want["sha256"]:
+            raise RuntimeError(f"{m.label}: this worker's calibration ({got}) is not the one the driver recorded "
+                               f"({want})")

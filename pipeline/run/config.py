@@ -1,8 +1,10 @@
 """One typed job config for the evaluation pipeline, validated up front.
 
-A job is configured by a YAML file (``--config job.yaml``) and/or command-line flags; flags override the
-file. Every check that can fail runs here, in the driver, before Ray starts and before any model is
-loaded, and every error names the field it is about::
+A job is configured by a YAML file (``--config job.yaml``) and/or command-line flags; flags override the file.
+Each field carries its own help, its ``--help`` group and its range (``_f``): the command line
+(``pipeline/run/cli.py``) and the generic checks are generated from them, so a field is defined once. Every check
+that can fail runs here, in the driver, before Ray starts and before any model is loaded, and every error names
+the field it is about (``rcr.config.ConfigError``)::
 
     config error: field 'max_new_tokens': must be an integer between 1 and 8192, got 0
 
@@ -13,7 +15,6 @@ driver inside a temporary copy of the repository, so a relative path would be lo
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -22,38 +23,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.schema import METHOD_ORDER, TASKS
-from rcr.embedded import model_dir as embedded_model_dir
+from pipeline.run import checks
+from pipeline.run.checks import EMBEDDED, EMBEDDED_MODEL_DIR, available_methods, model_slug  # noqa: F401 - API
+from pipeline.tasks import TASKS
+from rcr.config import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-EMBEDDED = "embedded"
-EMBEDDED_MODEL_DIR = embedded_model_dir()  # package data of rcr: rcr/embedded_model/
-
-DEFAULT_MAX_NEW_TOKENS = {"detailcaps": 512, "textcaps": 64, "video": 128}
 MAX_NEW_TOKENS_LIMIT = 8192
-
-# The shape of a Hub id (`owner/name`, or a legacy bare name). Whether it resolves (local cache, or the Hub when
-# online) and is a supported family is the driver's pre-flight (pipeline/preflight.py).
-HUB_ID = re.compile(r"[\w][\w.-]*(/[\w][\w.-]*)?")
 
 # Fields whose value changes what a row contains. They make the config hash; a rerun resumes only rows
 # written under the same hash.
 HASHED_FIELDS = ("task", "model", "max_new_tokens", "dtype", "rcr", "max_image_pixels", "max_frames", "engine")
 
-
-class ConfigError(ValueError):
-    """A bad job config. ``field`` names the offending field."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"config error: field '{field}': {message}")
+WHAT, WHERE, RESOURCES, FAULTS = "what to run", "where results go", "resources", "faults and input limits"
 
 
 def default_max_new_tokens(task: str) -> int:
     """The task's default output length (what validate() fills in); a ConfigError naming 'task' if unknown."""
     if task not in TASKS:
         raise ConfigError("task", f"unknown task '{task}'; choose one of {', '.join(TASKS)}")
-    return DEFAULT_MAX_NEW_TOKENS[task]
+    return TASKS[task].max_new_tokens
 
 
 def default_runs_root() -> Path:
@@ -66,41 +55,80 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{default_runs_root() / 'mlflow.db'}"
 
 
+def _f(default: Any = None, help: str = "", group: str | None = None, *, factory=None, shown: str | None = None,
+       kind: type | None = None, lo: float | None = None, hi: float | None = None, choices: tuple | None = None,
+       flag: dict | None = None):
+    """A JobConfig field. ``help`` and ``group`` make its ``--help`` entry (no group: not a flag); ``shown`` is the
+    default as ``--help`` states it (else the default itself); ``kind``/``lo``/``hi``/``choices`` are the generic
+    check (None passes: a default filled in later); ``flag``: extra ``argparse`` arguments (nargs, action, metavar)."""
+    meta = {"help": help, "group": group, "shown": shown, "kind": kind, "lo": lo, "hi": hi, "choices": choices,
+            "flag": flag or {}}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class JobConfig:
-    """Everything a pipeline job needs. Construct with :meth:`from_args` / :meth:`from_dict`, which validate."""
+    """Everything a pipeline job needs. Construct with ``pipeline.run.cli.job_config`` (a command line) or
+    :meth:`from_dict`; both validate."""
 
-    task: str = "detailcaps"
-    model: str = EMBEDDED  # "embedded", a local checkpoint dir, or a supported hub id
-    shards: list[str] = field(default_factory=lambda: [EMBEDDED])  # parquet files, dirs or globs; "embedded"
-    dataset: str | None = None  # instead of shards: "NAME[:split]", the task's HF dataset or a local copy of it
-    methods: list[str] = field(default_factory=lambda: ["all"])  # "all": every method the core provides
-    max_new_tokens: int | None = None  # None: 512 detailcaps, 64 textcaps, 128 video
-    limit: int | None = None  # first N input rows, in shard order
-    batch_size: int = 4  # samples per model call (left-padded batch) and per Ray batch
-    num_actors: int = 1
-    output_dir: str | None = None  # None: ~/rcr-runs/<job_name>
-    mlflow_uri: str | None = None  # None: sqlite:///~/rcr-runs/mlflow.db (absolute)
-    experiment: str = "rcr-eval"
-    job_name: str | None = None  # None: "<task>-<model slug>"
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
-    gpus_per_actor: float | None = None  # None: 1 where the cluster has GPUs, else 0
-    cpus_per_actor: float | None = None  # None: 1 with GPUs; on CPU-only, what leaves room for readers
-    torch_threads: int | None = None  # None: the actor's CPU share
-    max_restarts: int = -1  # actor restarts (-1: unlimited)
+    task: str = _f("detailcaps", "which task (pipeline/tasks/)", WHAT)
+    model: str = _f(EMBEDDED, "'embedded' (the small synthetic-scene model shipped in rcr/embedded_model), a local "
+                    "checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct", WHAT)
+    shards: list[str] = _f(help="Parquet shard files/dirs/globs in the input schema, or 'embedded': the synthetic "
+                           "shards, generated once under <runs dir>/shards", group=WHAT, factory=lambda: [EMBEDDED],
+                           shown="embedded", flag={"nargs": "+"})
+    dataset: str | None = _f(None, "instead of --shards: NAME[:split], the task's Hugging Face dataset by name "
+                             "(foundation-multimodal-models/DetailCaps-4870, lmms-lab/TextCaps, or the task name) at "
+                             "its pinned revision, or a local save_to_disk directory or Parquet file/folder of it; "
+                             "converted in full once, into <runs dir>/datasets (the split defaults to the pinned one)",
+                             WHAT, shown="none")
+    methods: list[str] = _f(help="comma-separated method labels, or 'all'; NAME@FIELD=VALUE,... sets a method's own "
+                            "fields (rcr@rho=0.3, arkvale@rule=recall) and fixed@TAU fixed's threshold (e.g. "
+                            "fixed@0.05,fixed@0.1 for a sweep); full is always run", group=WHAT,
+                            factory=lambda: ["all"], shown="all")
+    max_new_tokens: int | None = _f(None, "generated tokens per sample and method, at most", WHAT, kind=int, lo=1,
+                                    hi=MAX_NEW_TOKENS_LIMIT)
+    limit: int | None = _f(None, "first N input rows, in shard order", WHAT, shown="every row", kind=int, lo=1)
+    rcr: dict[str, Any] = _f(help="a shared rcr.RCRConfig field, repeatable (a method's own go in its label)",
+                             group=WHAT, factory=dict, shown="the paper's values, and record_attention=true",
+                             flag={"action": "append", "metavar": "KEY=VALUE"})
+    output_dir: str | None = _f(None, "Parquet output directory", WHERE, shown="<runs dir>/<job name>")
+    mlflow_uri: str | None = _f(None, "MLflow tracking URI", WHERE, shown="sqlite:///<runs dir>/mlflow.db")
+    experiment: str = _f("rcr-eval", "MLflow experiment", WHERE)
+    job_name: str | None = _f(None, "names the output dir and the MLflow parent run", WHERE,
+                              shown="<task>-<model name>, e.g. detailcaps-embedded")
+    progress_every_s: float = _f(10.0, "seconds between progress lines", WHERE)
+    summary: bool = _f(True, "skip the per-method summary and the MLflow logging at the end", WHERE,
+                       shown="both run", flag={"name": "--no-summary", "action": "store_false"})
+    batch_size: int = _f(4, "samples per model call (left-padded) and per Ray batch", RESOURCES, kind=int, lo=1,
+                         hi=4096)
+    num_actors: int = _f(1, "model actors, each holding one copy of the model", RESOURCES, kind=int, lo=1, hi=4096)
+    device: str = _f("auto", "where each actor runs the model; auto: cuda when the actor has a GPU", RESOURCES,
+                     choices=("auto", "cpu", "cuda"))
+    dtype: str = _f("auto", "model dtype; auto: bfloat16 on GPU, float32 on CPU", RESOURCES,
+                    choices=("auto", "float32", "bfloat16", "float16"))
+    gpus_per_actor: float | None = _f(None, "GPUs per actor", RESOURCES, shown="1 where the cluster has GPUs, else 0",
+                                      kind=float, lo=0)
+    cpus_per_actor: float | None = _f(None, "CPUs per actor", RESOURCES, shown="1 with GPUs; on CPU-only clusters "
+                                      "what leaves 1 CPU for the readers", kind=float, lo=0)
+    torch_threads: int | None = _f(None, "torch threads per actor", RESOURCES, shown="1 on CPU, 4 with a GPU",
+                                   kind=int, lo=1, hi=1024)
+    ray_address: str | None = _f(None, "Ray cluster to join; 'auto' joins a running one", RESOURCES,
+                                 shown="the cluster of `ray job submit`, else a private local Ray")
+    max_restarts: int = _f(-1, "restarts of a dead actor, -1 unlimited", FAULTS, kind=int, lo=-1)
     # retries of a batch whose actor died (-1: unlimited). Ray counts each failed call to an unreachable actor: a
     # lost node uses up a small count before Ray marks the actor as restarting (ray-project/ray#25457)
-    max_task_retries: int = -1
-    max_image_pixels: int = 50_000_000  # bigger images are bad inputs (decompression-bomb guard)
-    max_image_bytes: int = 64 * 2**20
-    max_frames: int = 64
-    trust_remote_code: bool = False
-    rcr: dict[str, Any] = field(default_factory=dict)  # rcr.RCRConfig fields
-    ray_address: str | None = None  # None: RAY_ADDRESS or a running local cluster, else an in-process one
-    progress_every_s: float = 10.0
-    summary: bool = True  # print the per-method summary and log to MLflow at the end
-    engine: str = "rcr"  # the model backend: "rcr" (the core library), or "module:Class" (tests, other backends)
+    max_task_retries: int = _f(-1, "retries of a batch whose actor died, -1 unlimited", FAULTS, kind=int, lo=-1)
+    max_image_pixels: int = _f(50_000_000, "larger images become error rows (decompression-bomb guard)", FAULTS,
+                               kind=int, lo=1)
+    max_image_bytes: int = _f(64 * 2**20, "larger encoded images become error rows", kind=int, lo=1)
+    max_frames: int = _f(64, "videos with more frames become error rows", kind=int, lo=1)
+    trust_remote_code: bool = _f(False, "allow a hub model's own code", FAULTS, shown="off",
+                                 flag={"action": "store_true"})
+    # the model backend: "rcr" (the core library), or "module:Class" (the tests' fake engines; accepted, not listed)
+    engine: str = _f("rcr", flag={"hidden": True})
 
     # ------------------------------------------------------------------ construction
 
@@ -110,91 +138,56 @@ class JobConfig:
         for key in data:
             if key not in names:
                 raise ConfigError(key, f"unknown field; known fields: {', '.join(sorted(names))}")
-        cfg = cls(**{k: v for k, v in data.items()})
+        cfg = cls(**data)
         if validate:
             cfg.validate()
         return cfg
 
-    @classmethod
-    def from_args(cls, argv: list[str] | None = None, *, task: str | None = None) -> JobConfig:
-        """Parse flags (and ``--config file.yaml``); ``task`` is the entry point's fixed task."""
-        from pipeline.run.cli import build_arg_parser
-
-        parser = build_arg_parser(task)
-        ns = parser.parse_args(argv)
-        overrides: dict[str, Any] = {}
-        for key, value in vars(ns).items():
-            if key == "config" or value is None:
-                continue
-            if key == "rcr":
-                overrides["rcr"] = _parse_kv_list(value)
-                continue
-            overrides[key] = value
-        if task is not None:
-            overrides.setdefault("task", task)
-        base: dict[str, Any] = {}
-        if ns.config:
-            import yaml
-
-            path = Path(ns.config).expanduser()
-            if not path.is_file():
-                raise ConfigError("config", f"no such YAML file: {path}")
-            base = yaml.safe_load(path.read_text()) or {}
-            if not isinstance(base, dict):
-                raise ConfigError("config", f"{path} must hold a mapping of field: value")
-            if task is not None and base.get("task", task) != task:
-                raise ConfigError("task", f"this entry point runs task '{task}', {path} says '{base['task']}'")
-            if "rcr" in overrides and isinstance(base.get("rcr"), dict):
-                overrides["rcr"] = {**base["rcr"], **overrides["rcr"]}
-        return cls.from_dict({**base, **overrides})
-
     # ------------------------------------------------------------------ validation
+
+    def _check_fields(self) -> None:
+        """The generic checks of every field's metadata: type, range, choices."""
+        for f in dataclasses.fields(self):
+            m, v = f.metadata, getattr(self, f.name)
+            if v is None:
+                continue
+            if m["choices"] is not None and v not in m["choices"]:
+                raise ConfigError(f.name, f"must be one of {', '.join(map(str, m['choices']))}, got {v!r}")
+            kind = m["kind"]
+            if kind is None:
+                continue
+            ok = not isinstance(v, bool) and isinstance(v, (int, float) if kind is float else int)
+            bounds = (f"between {m['lo']:g} and {m['hi']:g}" if m["hi"] is not None
+                      else f">= {m['lo']:g}" if m["lo"] is not None else "")
+            what = f"{'an integer' if kind is int else 'a number'}{' ' + bounds if bounds else ''}"
+            if not ok or (m["lo"] is not None and v < m["lo"]) or (m["hi"] is not None and v > m["hi"]):
+                raise ConfigError(f.name, f"must be {what}, got {v!r}")
 
     def validate(self) -> JobConfig:
         """Check every field; fill the task-dependent defaults. Raises :class:`ConfigError`."""
         default_length = default_max_new_tokens(self.task)  # also the task check: before anything reads the task
         if self.max_new_tokens is None:
             self.max_new_tokens = default_length
-        _int_range("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
-        if self.limit is not None:
-            _int_range("limit", self.limit, 1, None)
-        _int_range("batch_size", self.batch_size, 1, 4096)
-        _int_range("num_actors", self.num_actors, 1, 4096)
-        _int_range("max_restarts", self.max_restarts, -1, None)
-        _int_range("max_task_retries", self.max_task_retries, -1, None)
-        _int_range("max_image_pixels", self.max_image_pixels, 1, None)
-        _int_range("max_image_bytes", self.max_image_bytes, 1, None)
-        _int_range("max_frames", self.max_frames, 1, None)
-        if self.torch_threads is not None:
-            _int_range("torch_threads", self.torch_threads, 1, 1024)
-        for name in ("gpus_per_actor", "cpus_per_actor"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-                raise ConfigError(name, f"must be a number >= 0, got {v!r}")
-        if not isinstance(self.progress_every_s, (int, float)) or self.progress_every_s <= 0:
+        self._check_fields()
+        if isinstance(self.progress_every_s, bool) or not isinstance(self.progress_every_s, (int, float)) \
+                or self.progress_every_s <= 0:
             raise ConfigError("progress_every_s", f"must be a number > 0, got {self.progress_every_s!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError("device", f"must be auto, cpu or cuda, got '{self.device}'")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError("dtype", f"must be auto, float32, bfloat16 or float16, got '{self.dtype}'")
         if not isinstance(self.experiment, str) or not self.experiment:
             raise ConfigError("experiment", "must be a non-empty string")
         if not isinstance(self.engine, str) or not (self.engine == "rcr" or re.fullmatch(r"[\w.]+:\w+", self.engine)):
             raise ConfigError("engine", f"must be 'rcr' or 'module:Class', got {self.engine!r}")
-        self.methods = _as_list("methods", self.methods)
-        self.shards = _as_list("shards", self.shards)
+        self.shards = checks.as_list("shards", self.shards)
         if self.dataset is not None:
-            self.dataset = validate_dataset(self.dataset, self.task, self.shards)
-        self.methods = validate_methods(self.methods)
-        validate_model(self.model)
-        self.rcr = validate_rcr(self.rcr)
+            self.dataset = checks.validate_dataset(self.dataset, self.task, self.shards)
+        checks.validate_model(self.model)
+        self.rcr = checks.validate_rcr(self.rcr)
+        self.methods = checks.validate_methods(self.methods, self.rcr)
         if self.job_name is None:
             self.job_name = f"{self.task}-{model_slug(self.model)}"
         if not re.fullmatch(r"[\w.@+-]+", self.job_name):
             raise ConfigError("job_name", f"use letters, digits and . _ - @ + only, got '{self.job_name}'")
-        runs = default_runs_root()
         if self.output_dir is None:
-            self.output_dir = str(runs / self.job_name)
+            self.output_dir = str(default_runs_root() / self.job_name)
         self.output_dir = str(Path(self.output_dir).expanduser().resolve())
         if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
             raise ConfigError("output_dir", f"{self.output_dir} exists and is not a directory")
@@ -212,11 +205,23 @@ class JobConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def record(self) -> dict[str, Any]:
+        """The config as a job records it (run record, MLflow's params): its fields, and every method's knob
+        defaults (``method_knobs``), which the config hash also covers."""
+        from rcr.methods import knob_defaults
+
+        return {**self.to_dict(), "method_knobs": knob_defaults()}
+
     @property
     def config_hash(self) -> str:
-        """12 hex digits over the fields that change a row's content (not limit, batching, paths)."""
+        """12 hex digits over the fields that change a row's content (not limit, batching, paths). ``rcr`` counts
+        with every method's knob defaults (``rcr.methods.knob_defaults``): a changed default re-keys the outputs,
+        while a knob set in a label is part of that label, the rows' key."""
+        from rcr.methods import knob_defaults
+
         payload = {k: getattr(self, k) for k in HASHED_FIELDS}
-        payload["model_fingerprint"] = model_fingerprint(self.model)
+        payload["rcr"] = {**knob_defaults(), **self.rcr}
+        payload["model_fingerprint"] = checks.model_fingerprint(self.model)
         blob = json.dumps(payload, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -226,159 +231,3 @@ class JobConfig:
             return str(EMBEDDED_MODEL_DIR)
         p = Path(self.model).expanduser()
         return str(p.resolve()) if p.exists() else self.model
-
-
-# ---------------------------------------------------------------------- field checks
-
-
-def _int_range(name: str, value: Any, lo: int | None, hi: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(name, f"must be an integer, got {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-        raise ConfigError(name, f"must be an integer {bounds}, got {value}")
-
-
-def _as_list(name: str, value: Any) -> list[str]:
-    if isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(name, f"must be a non-empty list of strings, got {value!r}")
-    return list(value)
-
-
-def validate_dataset(spec: Any, task: str, shards: list[str]) -> str:
-    """``--dataset NAME[:split]``: one the task's converter reads (``pipeline/data/convert.py``), not with --shards."""
-    from pipeline.data.convert import parse_dataset
-    from pipeline.data.shards import DataError
-
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError("dataset", f"must be NAME[:split], got {spec!r}")
-    if shards != [EMBEDDED]:
-        raise ConfigError("dataset", "give --dataset or --shards, not both")
-    try:
-        parse_dataset(spec.strip(), task)
-    except DataError as e:
-        raise ConfigError("dataset", str(e)) from None
-    return spec.strip()
-
-
-def available_methods() -> list[str]:
-    """The methods the core provides, in ``METHOD_ORDER`` (then any others, alphabetically)."""
-    from rcr.methods import METHODS
-
-    return [m for m in METHOD_ORDER if m in METHODS] + sorted(m for m in METHODS if m not in METHOD_ORDER)
-
-
-def validate_methods(methods: list[str]) -> list[str]:
-    """Validate each label with the core's parser; ``all`` expands to :func:`available_methods`; ``full``
-    always comes first; duplicates are dropped."""
-    from rcr.methods import parse_method
-
-    out: list[str] = []
-    expanded: list[str] = []
-    for m in methods:
-        expanded.extend(available_methods() if m == "all" else [m])
-    for m in expanded:
-        try:
-            parse_method(m)
-        except (ValueError, KeyError) as e:
-            raise ConfigError("methods", f"unknown method '{m}': {e}") from None
-        if m not in out:
-            out.append(m)
-    if "full" in out:
-        out.remove("full")
-    return ["full", *out]
-
-
-def validate_model(model: Any) -> None:
-    if not isinstance(model, str) or not model:
-        raise ConfigError("model", f"must be a non-empty string, got {model!r}")
-    if model == EMBEDDED:
-        return  # the embedded checkpoint's presence is checked by the driver (it may be built after config)
-    p = Path(model).expanduser()
-    if p.exists():
-        cfg_file = p / "config.json"
-        if not cfg_file.is_file():
-            raise ConfigError("model", f"local checkpoint {p} has no config.json")
-        try:
-            model_type = json.loads(cfg_file.read_text()).get("model_type")
-        except json.JSONDecodeError as e:
-            raise ConfigError("model", f"{cfg_file} is not valid JSON: {e}") from None
-        from rcr.models import SUPPORTED
-
-        if model_type not in SUPPORTED:
-            raise ConfigError("model", f"{p}: model_type {model_type} is not supported; "
-                                       f"supported: {', '.join(SUPPORTED)}")
-        return
-    if not HUB_ID.fullmatch(model):
-        raise ConfigError("model", f"'{model}' is not a local checkpoint directory, a Hub id (owner/name) "
-                                   "or 'embedded'")
-
-
-# Pipeline defaults that differ from the library's: `full` rows record the most-attended prefix position, so
-# the attention-stability analysis has its input (costs one exact prefix scan per layer-step of `full` only).
-RCR_PIPELINE_DEFAULTS = {"record_attention": True}
-
-
-def validate_rcr(values: Any) -> dict[str, Any]:
-    """Validate the `rcr` mapping with rcr.RCRConfig (errors name `rcr.<field>`); returns every field."""
-    import rcr
-
-    if values is None:
-        values = {}
-    if not isinstance(values, dict):
-        raise ConfigError("rcr", f"must be a mapping of RCRConfig fields, got {values!r}")
-    names = {f.name for f in dataclasses.fields(rcr.RCRConfig)}
-    for k in values:
-        if k not in names:
-            raise ConfigError(f"rcr.{k}", f"unknown RCRConfig field; known: {', '.join(sorted(names))}")
-    try:
-        return rcr.RCRConfig(**{**RCR_PIPELINE_DEFAULTS, **values}).to_dict()
-    except (TypeError, ValueError) as e:
-        raise ConfigError("rcr", str(e)) from None
-
-
-def model_slug(model: str) -> str:
-    name = Path(model).name if Path(model).expanduser().exists() else model.rsplit("/", 1)[-1]
-    return re.sub(r"[^\w.-]+", "-", name).strip("-").lower() or "model"
-
-
-def model_fingerprint(model: str) -> str:
-    """For local checkpoints: config.json and the weight files' contents, so that a retrained model in the same
-    directory (the same architecture, so the same file sizes) never resumes another model's rows. A Hub id is
-    its own fingerprint."""
-    p = EMBEDDED_MODEL_DIR if model == EMBEDDED else Path(model).expanduser()
-    if not p.is_dir():
-        return model
-    h = hashlib.sha256()
-    cfg = p / "config.json"
-    if cfg.is_file():
-        h.update(cfg.read_bytes())
-    for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
-        st = f.stat()
-        h.update(f"{f.name}:{_file_digest(str(f.resolve()), st.st_size, st.st_mtime_ns)}".encode())
-    return h.hexdigest()[:16]
-
-
-@functools.lru_cache(maxsize=64)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    """sha256 of a file's bytes, memoised per (path, size, mtime): ``config_hash`` is read several times a job,
-    and a real checkpoint's shards are GBs (about a second per GB)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _parse_kv_list(items: list[str]) -> dict[str, Any]:
-    import yaml
-
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError("rcr", f"expected key=value, got '{item}'")
-        k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
-    return out

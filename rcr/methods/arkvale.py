@@ -6,11 +6,11 @@ Each page's digest is ArkVale's "cuboid-mean" box (``InferState._summarize_keys`
     c = (max_k k + min_k k) / 2,   r = mean_k |c - k|,   b_max = c + r,   b_min = c - r,
 
 and a page's importance for query head j is I_p = sum_i max(q_ji b_max,i, q_ji b_min,i), averaged over the G
-query heads of a KV head (``config.arkvale_groups="kv"``) or over all query heads of the layer ("layer").
+query heads of a KV head (``groups="kv"``) or over all query heads of the layer ("layer").
 
 Every step attends to C = ceil(S / page_size) pages, the S entries every method attends to. ArkVale keeps a page
 cache of c pages, of which the top k by digest must be resident each step: missing ones are recalled, the
-lowest-ranked cached pages evicted, the others stay. ``config.arkvale_rule``:
+lowest-ranked cached pages evicted, the others stay. ``rule``:
 
 - "topk" (default; the paper, §5.1: "The top-k pages ... must engage in attention computation"): the top k = C
   pages attend, from a cache of c = 2C pages (k = c/2, its code's ``page_topks = budget // 2``);
@@ -31,9 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import PrefixStore
+from ..config import is_int
 from ..pages import PageLayout, bound_scores, n_pages_kept, page_bounds, page_order_scores
 from ..scoring import NEG_INF, group_queries
 from .base import Decision, StepContext
+from .knobs import knob
 from .scorer import ScorerMethod
 
 
@@ -64,8 +66,20 @@ class ArkValeState:
 class ArkVale(ScorerMethod):
     name = "arkvale"
 
+    page_size: int = knob(16, "entries per page (pages start at each sample's first valid prefix entry)")
+    rule: str = knob("topk", "'topk' (ArkVale's paper, §5.1): the top ceil(selected / page_size) pages by digest "
+                             "attend at every step; 'recall' (ablation): they are the whole page cache, of which "
+                             "only the top half must be resident", key="arkvale_rule")
+    groups: str = knob("kv", "the page ranking: 'kv', one per KV head (mean over its G query heads); 'layer', one "
+                             "per layer (ArkVale's code default n_groups = 1)", key="arkvale_groups")
+
+    def validate(self) -> None:
+        self.need(is_int(self.page_size) and self.page_size >= 1, "page_size", "must be an integer >= 1")
+        self.need(self.rule in ("topk", "recall"), "rule", "must be 'topk' or 'recall'")
+        self.need(self.groups in ("kv", "layer"), "groups", "must be 'kv' or 'layer'")
+
     def init_state(self, prefix: PrefixStore) -> ArkValeState:
-        layout = PageLayout.build(prefix, self.config.page_size)
+        layout = PageLayout.build(prefix, self.page_size)
         L = len(prefix.layers)
         digests = [cuboid_mean_digest(prefix.prefix_kv(layer)[0], layout) for layer in range(L)]
         shape = (prefix.batch_size, prefix.n_kv_heads, layout.n_pages)
@@ -74,18 +88,16 @@ class ArkVale(ScorerMethod):
 
     def cache_pages(self, n_selected: int) -> tuple[int, int]:
         """(c, k): pages in ArkVale's page cache, and how many of them must be the top pages by digest."""
-        C = n_pages_kept(n_selected, self.config.page_size)  # attended pages
-        return (2 * C, C) if self.config.arkvale_rule == "topk" else (C, max(1, C // 2))
+        C = n_pages_kept(n_selected, self.page_size)  # attended pages
+        return (2 * C, C) if self.rule == "topk" else (C, max(1, C // 2))
 
     def page_scores(self, ctx: StepContext) -> torch.Tensor:
         """(B, Hkv, P) digest importance, -inf for pages a sample does not have."""
         p, st = ctx.prefix, ctx.state
         hi, lo = st.digests[ctx.layer]
         s = bound_scores(group_queries(ctx.query, p.n_kv_heads), hi, lo)  # (B, Hkv, G, P)
-        if self.config.arkvale_groups == "kv":
-            s = s.mean(dim=2)  # one ranking per KV head
-        else:
-            s = s.mean(dim=(1, 2)).unsqueeze(1).expand_as(s[:, :, 0])  # one ranking per layer, shared
+        # one ranking per KV head ("kv"), or one per layer shared by every head ("layer")
+        s = s.mean(dim=2) if self.groups == "kv" else s.mean(dim=(1, 2)).unsqueeze(1).expand_as(s[:, :, 0])
         return s.masked_fill(~st.layout.page_valid.unsqueeze(1), NEG_INF)
 
     def decide(self, ctx: StepContext) -> Decision:
@@ -107,7 +119,7 @@ class ArkVale(ScorerMethod):
         entered = (now & ~was).float()  # (B, H, P) pages recalled into the cache at this step
         recalled = (entered * layout.page_len.unsqueeze(1).float()).sum(-1).mean(-1)  # (B,) entries per KV head
         was.copy_(now)
-        attended = score if self.config.arkvale_rule == "topk" else key  # the top C pages, or the cache
+        attended = score if self.rule == "topk" else key  # the top C pages, or the cache
         d = self.decision(ctx, page_order_scores(attended, layout, ctx.prefix.prefix_valid))
         return dataclasses.replace(d, recalled=recalled)
 

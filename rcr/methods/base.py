@@ -25,7 +25,7 @@ import torch
 
 from ..bacon_score import bacon_scores
 from ..cache import PrefixStore, ResidentLayer
-from ..config import RCRConfig
+from ..config import RCRConfig, need
 from ..offload import ResidentReader
 from ..scoring import top_sorted
 
@@ -83,12 +83,16 @@ class BuildContext:
 
 @dataclass
 class Method:
-    """Base method: BACON initial selection, no decode-time decision (that is the ``bacon`` baseline)."""
+    """Base method: BACON initial selection, no decode-time decision (that is the ``bacon`` baseline).
 
-    config: RCRConfig
+    ``config`` is what every method shares; a subclass adds its own knobs as fields (``rcr.methods.knobs.knob``)
+    and checks them in ``validate``."""
+
+    config: RCRConfig = field(default_factory=RCRConfig)
     label: str = ""
 
     name: ClassVar[str] = "base"
+    shorthand: ClassVar[str | None] = None  # the knob a bare label value sets (fixed@0.05: tau)
     reselects: ClassVar[bool] = False  # whether ``decide`` runs at decode
     supports_offload: ClassVar[bool] = False  # reads the prefix store only through ``StepContext.reader``
     needs_reference: ClassVar[bool] = False  # needs the uncompressed answer (prefill oracle)
@@ -96,6 +100,31 @@ class Method:
 
     def __post_init__(self):
         self.label = self.label or self.name
+        self.validate()
+
+    # --- the method's knobs and set-up ---
+    def validate(self) -> None:
+        """Check this method's knobs; a ConfigError names ``<name>.<knob>`` (see :meth:`need`)."""
+
+    def need(self, cond: bool, knob: str, message: str) -> None:
+        need(cond, f"{self.name}.{knob}", getattr(self, knob), message)
+
+    def check_model(self, head_dim: int) -> None:
+        """Checks that depend on the model's geometry, before prefill."""
+
+    def calibration_samples(self, model_dir: str | None) -> int:
+        """How many held-out samples :meth:`prepare` calibrates on for the model in ``model_dir`` (0: none). A
+        pipeline job hands it that many input rows it does not evaluate (docs/pipeline.md, "Calibration")."""
+        return 0
+
+    def calibration_record(self, model_dir: str | None, heldout: dict | None = None) -> dict | None:
+        """What this method is calibrated on, for a job's config (hash, run record, MLflow): None when it needs
+        no calibration. ``heldout``: the ``source`` and ``sha256`` of the held-out samples a job hands it."""
+        return None
+
+    def prepare(self, model, samples: list | None = None) -> None:
+        """Set-up once per model, before any sample (kvpress's ``post_init_from_model``): ``samples`` are the
+        processor inputs (batch 1) of :meth:`calibration_samples` held-out samples, or None."""
 
     # --- decision 1: which prefix entries are resident after prefill ---
     def initial_scores(self, ctx: BuildContext, layer: int) -> torch.Tensor | None:

@@ -6,13 +6,15 @@ partial keys (K A)[:, cols] (c = round(ratio * d) columns: Np/4 key equivalents 
 decode, layer l >= 1 speculates its query from layer l-1's normalised attention input at the current step,
 through layer l's own ``q_proj``/``q_norm`` and RoPE; the partial scores (q^ A)[:, cols] . (K A)[:, cols],
 reduced over the G query heads like every ranking (``config.head_reduction``), pick a fixed top-S each step.
-Layer 0 (``config.infinigen_layer0``): "exact_query" scores the current query through the same columns;
-"static" keeps the initial selection.
+Layer 0 (``layer0``): "exact_query" scores the current query through the same columns; "static" keeps the
+initial selection.
 
-Calibration (``config.infinigen_calibration``): a directory written by ``python -m rcr.calibrate_infinigen``
-(skews and columns from ``rcr.skewing``, calibrated offline as InfiniGen's authors do), or "per_sample" (also
-None): each sample is calibrated from its own prefill (its window queries and prefix keys).
-``GenerationResult.cost`` records which: ``calibration`` (the directory's description, else its path; or
+Calibration (``calibration``): a directory written by ``python -m rcr.calibrate_infinigen`` (skews and columns
+from ``rcr.skewing``, calibrated offline as InfiniGen's authors do); "per_sample": each sample is calibrated from
+its own prefill (its window queries and prefix keys), an ablation; or None, the default: offline once
+:meth:`InfiniGen.prepare` has run (a pipeline job runs it: the calibration shipped with the checkpoint, in its
+``infinigen_calibration/`` directory, or one made from held-out samples), else per sample.
+``GenerationResult.cost`` records which: ``calibration`` (the calibration's description, else its path; or
 "per_sample") and ``calibration_sha256`` (the digest of its tensor file; None per sample).
 """
 
@@ -25,12 +27,26 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import PrefixStore
-from ..config import ConfigError
+from ..config import ConfigError, is_number
 from ..models import _text_layers
 from ..scoring import group_queries, reduce_heads
-from ..skewing import PER_SAMPLE, check_orthogonal, load_calibration, n_partial, partial_columns, skew_from_grams
+from ..skewing import (
+    PER_SAMPLE,
+    calibration_meta,
+    check_orthogonal,
+    load_calibration,
+    n_partial,
+    partial_columns,
+    shipped_calibration,
+    skew_from_grams,
+    tensors_digest,
+)
 from .base import StepContext
+from .knobs import knob
 from .scorer import ScorerMethod
+
+N_CALIBRATION = 8  # held-out samples an offline calibration is made from when none ships with the model: ~3k
+# prompt tokens on the embedded model, the scale of InfiniGen's 2048-token PG-19 calibration text
 
 
 def project_query(attn, x: torch.Tensor, position_embeddings) -> torch.Tensor:
@@ -77,17 +93,93 @@ def _prefill_grams(prefix: PrefixStore, layer: int) -> tuple[torch.Tensor, ...]:
 class InfiniGen(ScorerMethod):
     name = "infinigen"
 
+    partial_ratio: float = knob(0.25, "partial key columns per KV head = round(ratio * d): the device holds Np * "
+                                      "ratio key equivalents (the RCR paper: Np/4)", key="infinigen_partial_ratio")
+    calibration: str | None = knob(None, "a calibration directory (python -m rcr.calibrate_infinigen); "
+                                         "'per_sample' (an ablation); or none: offline once prepared (a job does), "
+                                         "else per sample", key="infinigen_calibration")
+    layer0: str = knob("exact_query", "layer 0 has no previous layer to speculate from: 'exact_query' scores the "
+                                      "current query through the same columns; 'static' keeps the initial selection",
+                       key="infinigen_layer0")
+    # set by prepare(): (skews, cols, meta) of an offline calibration made in memory, or the shipped directory
+    prepared: tuple | str | None = field(default=None, init=False, repr=False, compare=False)
+
+    def validate(self) -> None:
+        self.need(is_number(self.partial_ratio) and 0.0 < self.partial_ratio <= 1.0, "partial_ratio",
+                  "must be in (0, 1]")
+        self.need(self.calibration is None or (isinstance(self.calibration, str) and self.calibration != ""),
+                  "calibration", "must be none, 'per_sample' or a directory path")
+        self.need(self.layer0 in ("exact_query", "static"), "layer0", "must be 'exact_query' or 'static'")
+
+    def check_model(self, head_dim: int) -> None:
+        self.need(round(self.partial_ratio * head_dim) >= 1, "partial_ratio",
+                  f"gives no partial column at head dim {head_dim}")
+
+    # --- offline calibration (kvpress's post_init_from_model): once per model, before any sample ---
+    def calibration_samples(self, model_dir: str | None) -> int:
+        if self.calibration is not None or shipped_calibration(model_dir, self.name) is not None:
+            return 0
+        return N_CALIBRATION
+
+    def calibration_record(self, model_dir: str | None, heldout: dict | None = None) -> dict | None:
+        if self.calibration == PER_SAMPLE:
+            return {"kind": "per_sample", "source": "per_sample: each sample's own prefill (ablation)", "sha256": ""}
+        if self.calibration is not None:
+            meta = calibration_meta(self.calibration, self.name)
+            return {"kind": "dir", "source": str(meta.get("description") or self.calibration), "sha256": meta["sha256"]}
+        shipped = shipped_calibration(model_dir, self.name)
+        if shipped is not None:
+            meta = calibration_meta(shipped, self.name)
+            return {"kind": "shipped", "source": meta.get("description") or "the calibration shipped with the model",
+                    "sha256": meta["sha256"]}
+        if heldout is None:
+            raise ConfigError(f"{self.name}.calibration", self._no_calibration())
+        return {"kind": "heldout", **heldout}
+
+    def _no_calibration(self) -> str:
+        return ("InfiniGen is calibrated offline, on samples that are not evaluated, and none are available: a "
+                "pipeline job hands it the input rows after the evaluated ones (pass --limit below the input "
+                "size); or give a calibration directory (`python -m rcr.calibrate_infinigen --model M --out DIR`, "
+                f"then {self.name}@calibration=DIR), or {self.name}@calibration=per_sample (the ablation)")
+
+    def prepare(self, model, samples: list | None = None, source: str | None = None) -> None:
+        """With no ``calibration`` set: the calibration shipped with the model, else one made from ``samples``
+        (processor inputs of held-out samples, batch 1; ``source`` describes them), kept in memory."""
+        if self.calibration is not None:
+            return
+        shipped = shipped_calibration(getattr(model, "name_or_path", None), self.name)
+        if shipped is not None:
+            self.prepared = shipped
+        elif samples:
+            from ..calibrate_infinigen import calibrate  # the offline pass: imported only where it runs
+
+            skews, cols, stats = calibrate(model, samples, self.partial_ratio, self.config.window)
+            meta = {"description": source or f"offline: {len(samples)} held-out samples", **stats,
+                    "sha256": tensors_digest(skews, cols)}
+            self.prepared = (skews, cols, meta)
+
+    def _offline(self) -> tuple[list, list, dict, str] | None:
+        """(skews, cols, meta, where) of the offline calibration in force, or None (per sample)."""
+        if isinstance(self.prepared, tuple):
+            return (*self.prepared, "held-out samples")
+        where = self.prepared if self.calibration is None else self.calibration
+        if where is None or where == PER_SAMPLE:
+            return None
+        return (*load_calibration(where), where)
+
     def init_state(self, prefix: PrefixStore) -> InfiniGenState:
-        cfg, L, d = self.config, len(prefix.layers), prefix.head_dim
+        L, d = len(prefix.layers), prefix.head_dim
+        c = n_partial(self.partial_ratio, d)
         skews, cols, source, digest = None, None, PER_SAMPLE, None
-        if cfg.infinigen_calibration not in (None, PER_SAMPLE):
-            skews, cols, meta = load_calibration(cfg.infinigen_calibration)
-            source, digest = str(meta.get("description") or cfg.infinigen_calibration), meta["sha256"]
-            if len(skews) != L or tuple(skews[0].shape) != (prefix.n_kv_heads, d, d):
-                raise ConfigError(f"RCRConfig.infinigen_calibration={cfg.infinigen_calibration!r}: calibrated for "
-                                  f"{len(skews)} layers x {tuple(skews[0].shape)}, the model has {L} x "
-                                  f"({prefix.n_kv_heads}, {d}, {d})")
-        c = n_partial(cfg.infinigen_partial_ratio, d)
+        offline = self._offline()
+        if offline is not None:
+            skews, cols, meta, where = offline
+            source, digest = str(meta.get("description") or where), meta["sha256"]
+            if len(skews) != L or tuple(skews[0].shape) != (prefix.n_kv_heads, d, d) or cols[0].shape[-1] != c:
+                raise ConfigError(f"{self.name}.calibration", f"{where} was calibrated for {len(skews)} layers x "
+                                  f"{tuple(skews[0].shape)} with {cols[0].shape[-1]} partial columns; the model has "
+                                  f"{L} x ({prefix.n_kv_heads}, {d}, {d}) and partial_ratio {self.partial_ratio} "
+                                  f"gives {c}")
         skew_cols, partial_keys = [], []
         for layer in range(L):
             k_p = prefix.prefix_kv(layer)[0].float()
@@ -139,7 +231,7 @@ class InfiniGen(ScorerMethod):
         """(B, Hq, 1, d): layer l's query from layer l-1's input; layer 0 per ``infinigen_layer0``."""
         st, layer = ctx.state, ctx.layer
         if layer == 0:
-            return ctx.query if self.config.infinigen_layer0 == "exact_query" else None
+            return ctx.query if self.layer0 == "exact_query" else None
         if layer - 1 not in st.inputs or st.position_embeddings is None:
             raise RuntimeError("infinigen needs its decode hooks: decode through rcr.decode/generate, or drive "
                                "Decoder.step inside `with decoder.enabled():`")

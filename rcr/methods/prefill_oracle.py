@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..bacon_score import pool
 from ..scoring import NEG_INF
 from .base import BuildContext, Method
+from .knobs import knob
 
 
 @dataclass
@@ -21,11 +22,17 @@ class PrefillOracle(Method):
     name = "prefill_oracle"
     needs_reference = True
 
+    pool: bool = knob(False, "average-pool the answer-attention scores like BACON (RCRConfig.bacon_kernel) before "
+                             "the top-k", key="oracle_pool")
+
+    def validate(self) -> None:
+        self.need(isinstance(self.pool, bool), "pool", "must be a bool")
+
     def initial_scores(self, ctx: BuildContext, layer: int):
         if ctx.reference_scores is None:
             raise RuntimeError("prefill_oracle needs the uncompressed answer's attention; run it through "
                                "rcr.generate, which decodes `full` first")
         s = ctx.reference_scores[layer]  # (B, Hkv, Np)
-        if self.config.oracle_pool:
+        if self.pool:
             s = pool(s, self.config.bacon_kernel)
         return s.masked_fill(~ctx.prefix.prefix_valid.unsqueeze(1), NEG_INF)

@@ -6,8 +6,8 @@ the device. At every decode layer-step the page score of query head j is Quest's
 
     U_p(q_j) = sum_i max(q_ji M_pi, q_ji m_pi)  >=  max_{k in p} q_j . k,
 
-reduced over the G query heads of a KV head (``config.quest_reduction``: max, which keeps U an upper bound for
-the whole group; or mean). The top ceil(S / page_size) pages become the selected slots; if partial pages leave
+reduced over the G query heads of a KV head (``reduction``: max, which keeps U an upper bound for the whole
+group; or mean). The top ceil(S / page_size) pages become the selected slots; if partial pages leave
 slots free, the next-ranked page fills them.
 
 Cost per KV head and step: 2 vectors per page on the device (``detector_dots``), S keys and S values read.
@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import PrefixStore
+from ..config import is_int
 from ..pages import PageLayout, bound_scores, page_bounds, page_order_scores
 from ..scoring import group_queries
 from .base import StepContext
+from .knobs import knob
 from .scorer import ScorerMethod
 
 
@@ -37,8 +39,17 @@ class QuestState:
 class Quest(ScorerMethod):
     name = "quest"
 
+    page_size: int = knob(16, "entries per page (pages start at each sample's first valid prefix entry); the top "
+                              "ceil(selected / page_size) pages are kept, with no 3-page minimum")
+    reduction: str = knob("max", "U over the G query heads of a KV head: 'max' (an upper bound for the whole "
+                                 "group) or 'mean'", key="quest_reduction")
+
+    def validate(self) -> None:
+        self.need(is_int(self.page_size) and self.page_size >= 1, "page_size", "must be an integer >= 1")
+        self.need(self.reduction in ("max", "mean"), "reduction", "must be 'max' or 'mean'")
+
     def init_state(self, prefix: PrefixStore) -> QuestState:
-        layout = PageLayout.build(prefix, self.config.page_size)
+        layout = PageLayout.build(prefix, self.page_size)
         bounds = [page_bounds(prefix.prefix_kv(layer)[0], layout) for layer in range(len(prefix.layers))]
         return QuestState(layout, bounds, layout.page_valid.sum(-1).float())
 
@@ -46,7 +57,7 @@ class Quest(ScorerMethod):
         st = ctx.state
         hi, lo = st.bounds[ctx.layer]
         u = bound_scores(group_queries(ctx.query, ctx.prefix.n_kv_heads), hi, lo)  # (B, Hkv, G, P)
-        u = u.amax(dim=2) if self.config.quest_reduction == "max" else u.mean(dim=2)
+        u = u.amax(dim=2) if self.reduction == "max" else u.mean(dim=2)
         return page_order_scores(u, st.layout, ctx.prefix.prefix_valid)  # whole pages, best first
 
     def detector_dots(self, ctx: StepContext) -> torch.Tensor:

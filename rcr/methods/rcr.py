@@ -28,11 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import gather_heads
+from ..config import is_int, is_number
 from ..controller import RateController
 from ..detector import Detector
 from ..fused import available as fused_kernel_available
 from ..scoring import group_queries, logits, masked_lse, reduce_heads, top_sorted
 from .base import Decision, Method, StepContext
+from .knobs import knob
 
 
 @dataclass
@@ -44,15 +46,30 @@ class RCRState:
 
 
 @dataclass
-class RCR(Method):
-    name = "rcr"
+class DriftRefresh(Method):
+    """What ``rcr``, ``fixed`` and ``rcr_layer`` share: the detector, the drift, the candidates and the merge. A
+    subclass says where the threshold comes from (``initial_tau``, ``current_tau``, ``update_tau``)."""
+
     reselects = True
     supports_offload = True
 
-    @property
-    def controller(self) -> RateController:
-        c = self.config
-        return RateController(tau0=c.tau0, step=c.step, rho=c.rho)
+    candidates: int = knob(128, "the detector's top-k whose keys are fetched and scored exactly (the paper's 4c)")
+    rank: int = knob(8, "rank of the per-(layer, KV head) SVD detector")
+    controller_signal: str = knob("layer", "'layer': one trigger per layer (f = the layer's refresh); 'heads': one "
+                                           "per KV head (f = the fraction of KV heads that refreshed)")
+    kept_logits: str = knob("exact", "the kept entries' logits in the candidate ranking: 'exact' (the paper) or "
+                                     "'approx' (the detector's, an ablation)")
+
+    def validate(self) -> None:
+        self.need(is_int(self.rank) and self.rank >= 1, "rank", "must be an integer >= 1")
+        self.need(is_int(self.candidates) and self.candidates >= self.config.selected, "candidates",
+                  f"must be an integer >= RCRConfig.selected ({self.config.selected}): candidates are re-scored "
+                  "exactly and the top `selected` kept")
+        self.need(self.controller_signal in ("layer", "heads"), "controller_signal", "must be 'layer' or 'heads'")
+        self.need(self.kept_logits in ("exact", "approx"), "kept_logits", "must be 'exact' or 'approx'")
+
+    def check_model(self, head_dim: int) -> None:
+        self.need(self.rank <= head_dim, "rank", f"must be <= the model's head dim ({head_dim})")
 
     def tau_shape(self, prefix) -> tuple[int, ...]:
         return (prefix.batch_size,)
@@ -61,28 +78,28 @@ class RCR(Method):
         dets = []
         for layer in range(len(prefix.layers)):
             k_p, _ = prefix.prefix_kv(layer)
-            dets.append(Detector.build(k_p, prefix.prefix_valid, self.config.rank))
+            dets.append(Detector.build(k_p, prefix.prefix_valid, self.rank))
         # decided here, outside the (possibly compiled) decode step
         fused = self.config.fused_kernel and prefix.valid.device.type == "cpu" and fused_kernel_available()
         dots = prefix.prefix_valid.sum(-1).float() * (dets[0].rank / prefix.head_dim)
         return RCRState(detectors=dets, tau=self.initial_tau(prefix), detector_dots=dots, fused=fused)
 
-    def initial_tau(self, prefix) -> torch.Tensor:
-        return self.controller.init(self.tau_shape(prefix), prefix.valid.device)
-
     # the threshold of this layer, and its update: the only differences between rcr, fixed and rcr_layer
+    def initial_tau(self, prefix) -> torch.Tensor:
+        raise NotImplementedError
+
     def current_tau(self, state: RCRState, layer: int) -> torch.Tensor:
         return state.tau
 
     def update_tau(self, state: RCRState, layer: int, f: torch.Tensor) -> None:
-        state.tau.copy_(self.controller.update(state.tau, f))  # in place: a fixed address (CUDA graphs)
+        raise NotImplementedError
 
     def decide(self, ctx: StepContext) -> Decision:
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
         det = st.detectors[ctx.layer]
         qg = group_queries(ctx.query, p.n_kv_heads)  # (B, Hkv, G, d)
         padded = res.padded  # masks only where the batch has left padding: otherwise every entry is valid
-        kept_exact = cfg.kept_logits == "exact"
+        kept_exact = self.kept_logits == "exact"
         context = cfg.head_reduction == "mean_prob" and cfg.prob_norm == "context"
         if st.fused and not ctx.reader.offload and not torch.compiler.is_compiling():
             return self._decide_op(ctx, qg, kept_exact, context)
@@ -101,7 +118,7 @@ class RCR(Method):
         # 2. trigger against this sample's threshold
         tau = self.current_tau(st, ctx.layer).clone()  # the threshold of this step: update_tau works in place
         # "heads": (B, Hkv), a refresh per KV head; otherwise (B,), one decision per layer
-        trigger = drift_h > tau.unsqueeze(-1) if cfg.controller_signal == "heads" else drift > tau
+        trigger = drift_h > tau.unsqueeze(-1) if self.controller_signal == "heads" else drift > tau
 
         # controller: f is the layer's realised refresh (fraction of KV heads in "heads" mode)
         f = trigger.float().mean(-1) if trigger.dim() == 2 else trigger.float()
@@ -110,7 +127,7 @@ class RCR(Method):
 
         # 3. candidates: the top C of the prefix ranking (kept entries exact, evicted approximate), exact
         # re-scoring, keep top S
-        n_cand = min(cfg.candidates, p.n_prefix)
+        n_cand = min(self.candidates, p.n_prefix)
         cand = top_sorted(scores, n_cand)  # (B, Hkv, C)
         rows = ctx.reader.fired(trigger, cand)  # offload: host view of the trigger; GPU-only: None
         if rows is not None and not bool(rows.any()):
@@ -138,28 +155,60 @@ class RCR(Method):
         trigger, f, drift, sel = torch.ops.rcr.decide(
             qg, det.basis, det.projected_t, res.resident_keys, res.resident_valid if res.slots_masked else None,
             res.selection, p.prefix_valid if res.padded else None, k_p, tau, p.scaling,
-            cfg.head_reduction == "mean_prob", cfg.controller_signal == "heads", cfg.candidates, res.n_selected,
+            cfg.head_reduction == "mean_prob", self.controller_signal == "heads", self.candidates, res.n_selected,
             kept_exact, context)
         self.update_tau(st, ctx.layer, f)
         # keys and values None: the merge copies the selected rows from the prefix store
         return Decision(selection=sel, trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots)
 
     def cost_model(self, prefix, state) -> dict:
-        return {"keys_per_refresh": min(self.config.candidates, prefix.n_prefix),
+        return {"keys_per_refresh": min(self.candidates, prefix.n_prefix),
                 "values_per_refresh": self.n_selected(prefix)}
 
 
 @dataclass
-class Fixed(RCR):
-    """Drift-triggered refresh with a constant threshold (``config.fixed_tau``, or ``tau`` when given,
-    e.g. the sweep label ``fixed@0.05``)."""
+class RCR(DriftRefresh):
+    """One threshold per sample, shared by its layers, moved toward the target refresh fraction after every layer
+    (``rcr.controller``)."""
 
-    name = "fixed"
-    tau: float | None = None
+    name = "rcr"
+
+    tau0: float = knob(0.03, "the threshold at the start of every sample's decode")
+    step: float = knob(0.05, "the controller's step: tau <- tau * exp(step * (f - rho))")
+    rho: float = knob(0.4, "the target refresh fraction")
+
+    def validate(self) -> None:
+        super().validate()
+        self.need(is_number(self.tau0) and self.tau0 > 0.0, "tau0", "must be > 0 (the controller is multiplicative)")
+        self.need(is_number(self.step) and self.step > 0.0, "step", "must be > 0")
+        self.need(is_number(self.rho) and 0.0 < self.rho < 1.0, "rho", "target refresh fraction must be in (0, 1)")
+
+    @property
+    def controller(self) -> RateController:
+        return RateController(tau0=self.tau0, step=self.step, rho=self.rho)
 
     def initial_tau(self, prefix) -> torch.Tensor:
-        tau = self.config.fixed_tau if self.tau is None else self.tau
-        return torch.full(self.tau_shape(prefix), float(tau), device=prefix.valid.device)
+        return self.controller.init(self.tau_shape(prefix), prefix.valid.device)
+
+    def update_tau(self, state: RCRState, layer: int, f: torch.Tensor) -> None:
+        state.tau.copy_(self.controller.update(state.tau, f))  # in place: a fixed address (CUDA graphs)
+
+
+@dataclass
+class Fixed(DriftRefresh):
+    """Drift-triggered refresh with a constant threshold (the sweep label ``fixed@0.05`` sets it)."""
+
+    name = "fixed"
+    shorthand = "tau"
+
+    tau: float = knob(0.03, "the constant threshold (the paper's tercile analysis uses 0.03)", key="fixed_tau")
+
+    def validate(self) -> None:
+        super().validate()
+        self.need(is_number(self.tau) and self.tau >= 0.0, "tau", "must be a number >= 0")
+
+    def initial_tau(self, prefix) -> torch.Tensor:
+        return torch.full(self.tau_shape(prefix), float(self.tau), device=prefix.valid.device)
 
     def update_tau(self, state, layer, f) -> None:
         pass

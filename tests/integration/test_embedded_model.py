@@ -13,13 +13,13 @@ from PIL import Image
 
 import rcr
 import rcr.models
+from embedded.assets import SYSTEM_PROMPT, processor_inputs
+from embedded.batches import BatchBuilder
+from embedded.recipe import Recipe
 from pipeline.analysis.telemetry import unchanged_top_pairs
 from pipeline.analysis.text_metrics import rouge_l_f1
 from pipeline.data import synthetic as S
-from pipeline.embedded.assets import SYSTEM_PROMPT, processor_inputs
-from pipeline.embedded.batches import BatchBuilder
-from pipeline.embedded.recipe import Recipe
-from pipeline.run.config import DEFAULT_MAX_NEW_TOKENS
+from pipeline.tasks import TASKS
 from rcr.embedded import model_dir
 
 # RCR_EMBEDDED_MODEL lets a candidate (e.g. ~/rcr-runs/train_embedded/model) be checked before it is shipped
@@ -107,9 +107,9 @@ def test_greedy_quality_on_held_out_samples(shipped):
     for task, (n, floor) in floors.items():
         samples = [S.render(task, S.HELDOUT_SEED, i) for i in range(n)]
         frames = [[Image.fromarray(f) for f in s[0]] for s in samples]
-        inputs = rcr.models.build_inputs(processor, [S.PROMPTS[task]] * n, frames, video=task == "video")
+        inputs = rcr.models.build_inputs(processor, [TASKS[task].prompt] * n, frames, video=task == "video")
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=DEFAULT_MAX_NEW_TOKENS[task], do_sample=False)
+            out = model.generate(**inputs, max_new_tokens=TASKS[task].max_new_tokens, do_sample=False)
         texts = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         score = np.mean([rouge_l_f1(s[1], t.strip()) for s, t in zip(samples, texts)])
         print(f"{task}: ROUGE-L {score:.3f} on {n} held-out samples (floor {floor})")  # shown by pytest -s
@@ -128,9 +128,10 @@ def test_default_budget_is_in_the_papers_regime(shipped):
     model, processor = shipped
     samples = [S.render("detailcaps", S.HELDOUT_SEED, i) for i in range(3)]
     frames = [[Image.fromarray(f) for f in s[0]] for s in samples]
-    inputs = rcr.models.build_inputs(processor, [S.PROMPTS["detailcaps"]] * 3, frames)
-    res = rcr.generate(model, inputs, method=["full", "bacon", "exact"], max_new_tokens=DEFAULT_MAX_NEW_TOKENS[
-        "detailcaps"], config=rcr.RCRConfig(record_attention=True))  # record_attention: full's top positions
+    inputs = rcr.models.build_inputs(processor, [TASKS["detailcaps"].prompt] * 3, frames)
+    res = rcr.generate(model, inputs, method=["full", "bacon", "exact"],
+                       max_new_tokens=TASKS["detailcaps"].max_new_tokens,
+                       config=rcr.RCRConfig(record_attention=True))  # record_attention: full's top positions
     assert res["full"].prefix_len.min() >= 8 * rcr.RCRConfig().selected
 
     def fidelity(label):
@@ -151,7 +152,7 @@ def test_the_shipped_model_reads_its_scenes(shipped):
     """Colour is told only by the image: the shipped model names it far above chance (1/6), where a model that
     ignores the image, as every v3/v4 run from scratch did, sits at chance. (In its descriptions it reads size
     well, and texture and shape above chance: the reading probe, docs/embedded.md.)"""
-    from pipeline.embedded.probes.reading import probe
+    from embedded.probes.reading import probe
 
     model, processor = shipped
     res = probe(model, processor, "textcaps", S.DEFAULT_LAYOUT, 6)
@@ -166,17 +167,17 @@ def test_detector_probe_measures_what_the_candidate_pass_keeps(shipped):
     outside the detector's basis in a KV head of layer 1, the layer that rests on it, and is then often not a
     candidate in that head (docs/embedded.md: in-basis 0.03, candidate at 0.53 of steps in head 0). RCR's candidate
     ranking gives a kept entry its exact logit, so this is what a refresh could bring back once it is evicted."""
+    from embedded.probes.common import held_out_answers
     from pipeline.diagnose.detector import probe
-    from pipeline.embedded.probes.common import held_out_answers
-    from rcr.config import RCRConfig
+    from rcr.methods import RCR
 
     model, processor = shipped
     answers = held_out_answers(model, processor, "detailcaps", S.DEFAULT_LAYOUT, 1, 64)
-    every = probe(model, answers, RCRConfig(candidates=400))
+    every = probe(model, answers, RCR(candidates=400))
     for heads in every[1:]:  # layer 0 is the local layer
         for r in heads:
             assert r["recall"] == pytest.approx(1.0) and r["cand"] == 1.0, every
-    default = probe(model, answers, RCRConfig())
+    default = probe(model, answers, RCR())
     layer1 = default[1]
     assert all(r["top"] == 1 and r["mass"] > 0.5 for r in layer1), layer1  # the sink is what layer 1 reads
     outside = min(layer1, key=lambda r: r["in_basis"])  # the head whose basis holds least of the sink's key

@@ -31,7 +31,8 @@ from tests.fault_helpers import (
     run_inline,
     subprocess_env,
 )
-from tests.pipeline_helpers import PY, REPO, free_port
+from tests.pipeline_helpers import PY, REPO
+from tests.ray_head import free_port
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -12,15 +12,8 @@ import subprocess
 
 import pytest
 
-from tests.pipeline_helpers import (
-    PY,
-    REPO,
-    LocalRayHead,
-    free_port,
-    noise_lines,
-    synthetic_records,
-    write_shard,
-)
+from tests.pipeline_helpers import PY, REPO, noise_lines, synthetic_records, write_shard
+from tests.ray_head import LocalRayHead, free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 

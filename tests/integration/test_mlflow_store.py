@@ -34,7 +34,8 @@ from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
 from tests.fault_helpers import ENGINE, METHODS, inline_command, subprocess_env
-from tests.pipeline_helpers import PY, REPO, fake_model_dir, free_port, synthetic_records, write_shard
+from tests.pipeline_helpers import PY, REPO, fake_model_dir, synthetic_records, write_shard
+from tests.ray_head import free_port
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -27,7 +27,8 @@ from mlflow import MlflowClient
 
 from pipeline.analysis import mlflow_ui, tracking
 from tests.fake_output import make_output_frame
-from tests.pipeline_helpers import PY, REPO, free_port
+from tests.pipeline_helpers import PY, REPO
+from tests.ray_head import free_port
 
 pytestmark = pytest.mark.timeout(600)
 

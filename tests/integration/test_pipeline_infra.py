@@ -17,8 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from pipeline.run.cli import job_config
 from pipeline.run.config import JobConfig
-from tests.pipeline_helpers import PY, REPO, free_port, noise_lines, synthetic_records, write_shard
+from tests.pipeline_helpers import PY, REPO, noise_lines, synthetic_records, write_shard
+from tests.ray_head import free_port
 
 RAYJOB = REPO / "infra" / "kuberay-rayjob.yaml"
 JOBS = ("detailcaps", "textcaps", "video")
@@ -31,7 +33,7 @@ def _validate_command(cmd: str) -> JobConfig:
     assert (REPO / script).is_file(), f"{script} is not an entry point in this repository"
     task = Path(script).stem
     assert task in JOBS, script
-    return JobConfig.from_args(argv[2:], task=task)  # the job's own validation, as on the cluster
+    return job_config(argv[2:], task=task)  # the job's own validation, as on the cluster
 
 
 def test_kuberay_rayjob_is_valid_and_names_the_entry_points():

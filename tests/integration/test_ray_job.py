@@ -27,13 +27,13 @@ import yaml
 from rcr.embedded import model_dir
 from tests.pipeline_helpers import (
     REPO,
-    LocalRayHead,
     bad_input_records,
     fake_model_dir,
     synthetic_records,
     tiny_qwen2_vl_dir,
     write_shard,
 )
+from tests.ray_head import LocalRayHead
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline import data
-from pipeline.data import convert
+from pipeline.data import convert, images, shards
 from pipeline.schema import INPUT_SCHEMA
+from pipeline.tasks import TASKS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,7 @@ def test_detailcaps_local_parquet(tmp_path):
     assert r["prompt"] == "Describe this image in detail."
     assert r["references"] == ["gpt4o caption 2", "gpt4v caption 2", "gemini caption 2"]
     assert recs[1]["references"] == ["gpt4o caption 1", "gpt4v caption 1"]  # null reference dropped
-    assert np.asarray(data.decode_image(r["images"][0]))[0, 0].tolist() == [20, 0, 0]
+    assert np.asarray(images.decode_image(r["images"][0]))[0, 0].tolist() == [20, 0, 0]
     # a local file records its path and the SHA-256 of its bytes, not the Hub id of a revision it may not be
     assert r["source"] == f"{f}@sha256:{hashlib.sha256(f.read_bytes()).hexdigest()[:12]}:test"
 
@@ -104,12 +104,12 @@ def test_detailcaps_subset_is_fixed_by_seed(tmp_path):
 def test_detailcaps_errors_name_field_and_file(tmp_path):
     f = tmp_path / "DetailCaps-4870.parquet"
     pq.write_table(detailcaps_table(3).drop(["GT_Caption_GPT4V"]), f)
-    with pytest.raises(data.DataError, match=r"DetailCaps-4870.parquet: missing column 'GT_Caption_GPT4V'"):
+    with pytest.raises(shards.DataError, match=r"DetailCaps-4870.parquet: missing column 'GT_Caption_GPT4V'"):
         list(convert.convert_detailcaps(local_path=f))
     pq.write_table(detailcaps_table(3, bad_row=1), f)
-    with pytest.raises(data.DataError, match=r"DetailCaps-4870.parquet row 1 column 'binary': cannot decode"):
+    with pytest.raises(shards.DataError, match=r"DetailCaps-4870.parquet row 1 column 'binary': cannot decode"):
         list(convert.convert_detailcaps(local_path=f))
-    with pytest.raises(data.DataError, match="no such file"):
+    with pytest.raises(shards.DataError, match="no such file"):
         list(convert.convert_detailcaps(local_path=tmp_path / "missing"))
 
 
@@ -117,7 +117,7 @@ def test_detailcaps_from_hub_cache_offline(tmp_path, monkeypatch):
     """Offline, the snapshot of the pinned revision in the hub cache is read, and `source` names it."""
     import huggingface_hub.constants as C
 
-    src = convert.DETAILCAPS
+    src = TASKS["detailcaps"].source
     repo_dir = tmp_path / "hub" / ("datasets--" + src.repo_id.replace("/", "--"))
     snap = repo_dir / "snapshots" / src.revision
     snap.mkdir(parents=True)
@@ -136,12 +136,12 @@ def test_offline_without_local_copy_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)  # never touch the network in tests
     with pytest.raises(convert.OfflineError, match="--local-path"):
         list(convert.convert_textcaps(cache_dir=str(tmp_path / "empty-cache")))
-    from jobs.prepare_data import main
+    from pipeline.data.prepare import main
 
     rc = main(["detailcaps", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "empty-cache")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--local-path" in err[0] and "DetailCaps-4870" in err[0]
-    assert not (tmp_path / "out" / data.SUCCESS_MARKER).exists()
+    assert not (tmp_path / "out" / shards.SUCCESS_MARKER).exists()
 
 
 # ------------------------------------------------------------------------------------- TextCaps
@@ -157,7 +157,7 @@ def test_textcaps_snapshot_dir_groups_captions(tmp_path):
                                      "a sign that says a1 number 1", "second caption 1"]
     assert recs[0]["prompt"] == "Provide a one-sentence caption for the provided image."
     assert all(len(r["images"]) == 1 for r in recs)
-    assert data.decode_image(recs[2]["images"][0]).size == (20, 20)
+    assert images.decode_image(recs[2]["images"][0]).size == (20, 20)
     files = [snap / "data" / f"val-0000{k}-of-00002.parquet" for k in (0, 1)]  # the split's files, in order
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
     assert {r["source"] for r in recs} == {f"{snap}@sha256:{digest}:val"}
@@ -180,7 +180,7 @@ def test_textcaps_save_to_disk_layout(tmp_path):
 def test_textcaps_missing_column(tmp_path):
     f = tmp_path / "val-00000-of-00002.parquet"
     pq.write_table(textcaps_table(["a"]).drop(["caption_str"]), f)
-    with pytest.raises(data.DataError, match="missing column 'caption_str'"):
+    with pytest.raises(shards.DataError, match="missing column 'caption_str'"):
         list(convert.convert_textcaps(local_path=f))
 
 
@@ -206,9 +206,9 @@ def test_video_folder(tmp_path):
     a, b = recs
     assert a["task"] == "video" and len(a["images"]) == 8 and len(b["images"]) == 8
     assert a["references"] == ["a red square fades in"] and b["references"] == ["blue fades in"]
-    reds = [np.asarray(data.decode_image(x))[0, 0, 0] for x in a["images"]]
+    reds = [np.asarray(images.decode_image(x))[0, 0, 0] for x in a["images"]]
     assert reds[0] == 0 and reds[-1] == 220 and reds == sorted(reds)  # uniform, in order, first and last kept
-    t = data.read_input(data.write_shards(recs, tmp_path / "out")[0])
+    t = shards.read_input(shards.write_shards(recs, tmp_path / "out")[0])
     assert t.schema.equals(INPUT_SCHEMA, check_metadata=False)
 
 
@@ -216,32 +216,32 @@ def test_video_errors(tmp_path):
     root = tmp_path / "v"
     root.mkdir()
     (root / "empty_clip").mkdir()
-    with pytest.raises(data.DataError, match="empty_clip: frame folder holds no image files"):
+    with pytest.raises(shards.DataError, match="empty_clip: frame folder holds no image files"):
         list(convert.convert_videos(root))
     (root / "empty_clip").rmdir()
     bad = root / "broken"
     bad.mkdir()
     (bad / "f0.png").write_bytes(b"nope")
-    with pytest.raises(data.DataError, match=r"broken/f0.png: cannot decode"):
+    with pytest.raises(shards.DataError, match=r"broken/f0.png: cannot decode"):
         list(convert.convert_videos(root))
-    with pytest.raises(data.DataError, match="not a directory"):
+    with pytest.raises(shards.DataError, match="not a directory"):
         list(convert.convert_videos(tmp_path / "nothing"))
 
 
 # ------------------------------------------------------------------------------------- CLI
 def test_prepare_data_cli(tmp_path, capsys):
-    from jobs.prepare_data import main
+    from pipeline.data.prepare import main
 
     f = tmp_path / "DetailCaps-4870.parquet"
     pq.write_table(detailcaps_table(10), f)
     out = tmp_path / "dc"
     assert main(["detailcaps", "--local-path", str(f), "--limit", "4", "--seed", "0", "--out", str(out)]) == 0
-    t = data.read_input(out)
-    assert t.num_rows == 4 and (out / data.SUCCESS_MARKER).exists()
+    t = shards.read_input(out)
+    assert t.num_rows == 4 and (out / shards.SUCCESS_MARKER).exists()
     assert "wrote 4 samples" in capsys.readouterr().out
     # synthetic via the same CLI
     assert main(["synthetic", "--task", "video", "-n", "3", "--out", str(tmp_path / "syn")]) == 0
-    assert data.read_input(tmp_path / "syn").column("task").to_pylist() == ["video"] * 3
+    assert shards.read_input(tmp_path / "syn").column("task").to_pylist() == ["video"] * 3
     # bad input -> exit 1 and a message naming the column
     pq.write_table(detailcaps_table(3).drop(["binary"]), f)
     assert main(["detailcaps", "--local-path", str(f), "--out", str(tmp_path / "bad")]) == 1

@@ -16,17 +16,19 @@ import datasets
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import data
 from pipeline.analysis.analyze import analyze
 from pipeline.analysis.report import format_summary
-from pipeline.data import convert
-from pipeline.run import driver
-from pipeline.run.config import ConfigError, JobConfig
+from pipeline.data import convert, shards
+from pipeline.run import driver, inputs
+from pipeline.run.cli import job_config
+from pipeline.run.config import ConfigError
+from pipeline.tasks import TASKS
 from tests.fake_output import make_output_frame
 from tests.pipeline.test_convert import detailcaps_table, textcaps_table
 
 REPO = Path(__file__).resolve().parents[2]
-DC, TC = convert.DETAILCAPS, convert.TEXTCAPS
+DC_TASK, TC_TASK = TASKS["detailcaps"], TASKS["textcaps"]
+DC, TC = DC_TASK.source, TC_TASK.source
 MAIN = "fb4e2ea348e5c3fb61bd1c327af39b0ed515bb3f"  # a commit of DetailCaps-4870 after the pinned one
 # the dataset cards' `configs` as the repositories carry them at the pinned revisions
 DC_CARD = ("---\nlicense: cc-by-nc-sa-4.0\nconfigs:\n- config_name: default\n  data_files:\n  - split: test\n"
@@ -96,37 +98,37 @@ def test_unknown_split_of_a_later_detailcaps_fails_naming_the_splits(tmp_path):
     recs = list(convert.convert_detailcaps(local_path=copy))  # the pinned split: the card's one file
     assert _ids(recs) == [f"detailcaps-{i:05d}" for i in range(3)]
     for split in ("validation", "train"):
-        with pytest.raises(data.DataError, match=rf"DetailCaps-4870: no split '{split}' \(have: test; from the "
+        with pytest.raises(shards.DataError, match=rf"DetailCaps-4870: no split '{split}' \(have: test; from the "
                                                  r"dataset card's configs \(README.md\)\)"):
-            list(convert.convert_hub(DC, local_path=copy, split=split))
+            list(convert.convert_hub(DC_TASK, local_path=copy, split=split))
     # without the card: the pinned file at its repository path names the split; the refined files are not read
     bare = detailcaps_later(tmp_path / "bare", card=False)
     assert len(list(convert.convert_detailcaps(local_path=bare))) == 3
-    with pytest.raises(data.DataError, match=r"no split 'validation' \(have: test; from the pinned file"):
-        list(convert.convert_hub(DC, local_path=bare, split="validation"))
+    with pytest.raises(shards.DataError, match=r"no split 'validation' \(have: test; from the pinned file"):
+        list(convert.convert_hub(DC_TASK, local_path=bare, split="validation"))
     # one file is the pinned split (or the split its Hub name says), never the split asked for
-    with pytest.raises(data.DataError, match=r"DetailCaps-4870.parquet: no split 'validation' \(have: test; "
+    with pytest.raises(shards.DataError, match=r"DetailCaps-4870.parquet: no split 'validation' \(have: test; "
                                              r"from a single file, read as the pinned split\)"):
-        list(convert.convert_hub(DC, local_path=copy / "DetailCaps-4870.parquet", split="validation"))
+        list(convert.convert_hub(DC_TASK, local_path=copy / "DetailCaps-4870.parquet", split="validation"))
     shard = tmp_path / "val-00000-of-00002.parquet"
     pq.write_table(textcaps_table(["v"]), shard)
-    with pytest.raises(data.DataError, match=r"no split 'test' \(have: val; from its file name\)"):
-        list(convert.convert_hub(TC, local_path=shard, split="test"))
+    with pytest.raises(shards.DataError, match=r"no split 'test' \(have: val; from its file name\)"):
+        list(convert.convert_hub(TC_TASK, local_path=shard, split="test"))
     # a folder with neither a card, nor the Hub's names, nor the pinned file: nothing is guessed
     (tmp_path / "loose").mkdir()
     pq.write_table(detailcaps_table(2), tmp_path / "loose" / "captions.parquet")
-    with pytest.raises(data.DataError, match="cannot tell which files hold split 'test'"):
+    with pytest.raises(shards.DataError, match="cannot tell which files hold split 'test'"):
         list(convert.convert_detailcaps(local_path=tmp_path / "loose"))
 
 
 def test_unknown_split_of_save_to_disk_fails_naming_the_splits(tmp_path):
     datasets.DatasetDict({"val": datasets.Dataset(textcaps_table(["x"]))}).save_to_disk(str(tmp_path / "dd"))
-    with pytest.raises(data.DataError, match=r"no split 'test' \(have: val; from its datasets.save_to_disk"):
-        list(convert.convert_hub(TC, local_path=tmp_path / "dd", split="test"))
+    with pytest.raises(shards.DataError, match=r"no split 'test' \(have: val; from its datasets.save_to_disk"):
+        list(convert.convert_hub(TC_TASK, local_path=tmp_path / "dd", split="test"))
     one = datasets.Dataset(textcaps_table(["y"]), split="val")
     one.save_to_disk(str(tmp_path / "one"))
-    with pytest.raises(data.DataError, match=r"no split 'train' \(have: val"):
-        list(convert.convert_hub(TC, local_path=tmp_path / "one", split="train"))
+    with pytest.raises(shards.DataError, match=r"no split 'train' \(have: val"):
+        list(convert.convert_hub(TC_TASK, local_path=tmp_path / "one", split="train"))
     assert _ids(convert.convert_textcaps(local_path=tmp_path / "one")) == ["textcaps-y"]
 
 
@@ -143,9 +145,9 @@ def test_job_with_an_unknown_split_fails_before_any_model_work(tmp_path, capsys)
 # ------------------------------------------------------------------------------------- a split without references
 def test_textcaps_test_placeholder_runs_with_reference_metrics_marked_absent(tmp_path):
     copy = textcaps_copy(tmp_path / "TextCaps")
-    cfg = JobConfig.from_args(["--dataset", f"{copy}:test", "--output-dir", str(tmp_path / "out")], task="textcaps")
-    paths, rows, _ = driver.scan_inputs(cfg)
-    t = data.read_input(paths[0])
+    cfg = job_config(["--dataset", f"{copy}:test", "--output-dir", str(tmp_path / "out")], task="textcaps")
+    paths, rows, _ = inputs.scan_inputs(cfg)
+    t = shards.read_input(paths[0])
     assert t.column("sample_id").to_pylist() == ["textcaps-t0"] and t.column("references").to_pylist() == [[]]
     assert t.column("source").to_pylist()[0].endswith(":test")
     # the val split of the same copy: its two files, by the card
@@ -177,7 +179,7 @@ def test_offline_a_main_snapshot_is_found_and_named(tmp_path):
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]
     assert len(notes) == 1 and f"reading revision {MAIN[:10]} (main)" in notes[0], r.stderr
     assert f"the revision asked for, {DC.revision[:10]}, is not there" in notes[0]
-    t = data.read_input(tmp_path / "out")
+    t = shards.read_input(tmp_path / "out")
     assert t.num_rows == 3 and set(t.column("source").to_pylist()) == {f"{DC.repo_id}@{MAIN[:10]}:test"}
     assert f"source {DC.repo_id}@{MAIN[:10]}:test" in r.stdout
     # the snapshot folder passed by its path records the same provenance
@@ -201,8 +203,8 @@ def test_offline_the_pinned_snapshot_is_preferred(tmp_path, monkeypatch, capsys)
     assert len(main) == 3 and {r["source"] for r in main} == {f"{DC.repo_id}@{MAIN[:10]}:test"}
     assert "note:" not in capsys.readouterr().err
     # a split neither snapshot has fails naming the pinned snapshot's splits
-    with pytest.raises(data.DataError, match=rf"snapshots/{DC.revision}: no split 'validation' \(have: test"):
-        list(convert.convert_hub(DC, cache_dir=str(hub), split="validation"))
+    with pytest.raises(shards.DataError, match=rf"snapshots/{DC.revision}: no split 'validation' \(have: test"):
+        list(convert.convert_hub(DC_TASK, cache_dir=str(hub), split="validation"))
     # a snapshot of one split (`hf download --include`, or what an earlier load fetched) is enough for that
     # split; for another one, the snapshot of another revision that holds it is read and named
     tc = textcaps_copy(tmp_path / "TextCaps")
@@ -212,12 +214,12 @@ def test_offline_the_pinned_snapshot_is_preferred(tmp_path, monkeypatch, capsys)
         f.unlink()  # the pinned snapshot: README.md and val only
     assert len(list(convert.convert_textcaps(cache_dir=str(hub)))) == 3
     assert "note:" not in capsys.readouterr().err
-    recs = list(convert.convert_hub(TC, cache_dir=str(hub), split="test"))
+    recs = list(convert.convert_hub(TC_TASK, cache_dir=str(hub), split="test"))
     assert {r["source"] for r in recs} == {f"{TC.repo_id}@{MAIN[:10]}:test"}
     assert (f"reading revision {MAIN[:10]} (main) from the hub cache {hub}; the revision asked for, "
             f"{TC.revision[:10]}, holds no files of split 'test'") in capsys.readouterr().err
-    with pytest.raises(data.DataError, match=r"split 'test' has no files in this copy \(looked for data/test-\*"):
-        list(convert.convert_hub(TC, local_path=hub / "datasets--lmms-lab--TextCaps" / "snapshots" / TC.revision,
+    with pytest.raises(shards.DataError, match=r"split 'test' has no files in this copy \(looked for data/test-\*"):
+        list(convert.convert_hub(TC_TASK, local_path=hub / "datasets--lmms-lab--TextCaps" / "snapshots" / TC.revision,
                                  split="test"))
     # a job's --dataset by name: the converted shards are named by the revision read
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
@@ -230,20 +232,20 @@ def test_job_dataset_by_name_reads_the_cached_main_snapshot(tmp_path, monkeypatc
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     hub_snapshot(tmp_path / "hub", TC.repo_id, MAIN, textcaps_copy(tmp_path / "TextCaps"), ref="main")
-    cfg = JobConfig.from_args(["--dataset", "lmms-lab/TextCaps", "--output-dir", str(tmp_path / "out")],
+    cfg = job_config(["--dataset", "lmms-lab/TextCaps", "--output-dir", str(tmp_path / "out")],
                               task="textcaps")
-    paths, rows, _ = driver.scan_inputs(cfg)
+    paths, rows, _ = inputs.scan_inputs(cfg)
     assert Path(paths[0]).parent.name == f"textcaps-val-{MAIN[:10]}"  # not named by the pinned revision
     assert [r.sample_id for r in rows] == ["textcaps-a1", "textcaps-b2", "textcaps-c3"]
     assert f"reading revision {MAIN[:10]} (main)" in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"no network, and no snapshot of it in the hub cache") as e:
-        driver.scan_inputs(JobConfig.from_args(["--dataset", "detailcaps"], task="detailcaps"))
+        inputs.scan_inputs(job_config(["--dataset", "detailcaps"], task="detailcaps"))
     assert e.value.field == "dataset"
 
 
-# ------------------------------------------------------------------------------------- the README
-def test_readme_download_commands_pin_the_revision():
-    text = (REPO / "README.md").read_text()
-    for src in convert.SOURCES.values():
+# ------------------------------------------------------------------------------------- the docs
+def test_the_docs_download_commands_pin_the_revision():
+    text = (REPO / "docs" / "pipeline.md").read_text()
+    for src in (t.source for t in TASKS.values() if t.source is not None):
         cmds = re.findall(rf"hf download {re.escape(src.repo_id)} --repo-type dataset --revision (\w+)", text)
         assert cmds == [src.revision], (src.repo_id, cmds)

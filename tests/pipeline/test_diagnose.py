@@ -143,7 +143,7 @@ def test_it_runs_on_a_tiny_model_of_every_family(name, tmp_path, monkeypatch, ca
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg, _ = job_config(["--model", str(family_dir(tmp_path, name)), "--shards", str(shard), "--max-new-tokens", "8",
                          "--output-dir", str(tmp_path / "out"), "--mlflow-uri", uri, "--device", "cpu",
-                         "--rcr", "window=8", "--rcr", "selected=4", "--rcr", "candidates=8"])  # a tiny prompt
+                         "--rcr", "window=8", "--rcr", "selected=4"])  # a tiny prompt
     assert run(cfg, probe_samples=2) == 0
     out = capsys.readouterr().out
     assert "premise check:" in out and "exact - bacon (fidelity)" in out

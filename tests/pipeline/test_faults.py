@@ -16,7 +16,7 @@ import shlex
 import pandas as pd
 import pytest
 
-from jobs import backfill_mlflow
+from pipeline.analysis import backfill as backfill_mlflow
 from pipeline.run import driver
 from pipeline.run.config import ConfigError
 from pipeline.run.store import OutputStore
@@ -31,7 +31,8 @@ from tests.fault_helpers import (
     parts,
     run_inline,
 )
-from tests.pipeline_helpers import REPO, bad_input_records, free_port, synthetic_records, tiny_qwen2_vl_dir, write_shard
+from tests.pipeline_helpers import REPO, bad_input_records, synthetic_records, tiny_qwen2_vl_dir, write_shard
+from tests.ray_head import free_port
 
 
 @pytest.fixture

@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jobs import prepare_data
-from pipeline import data
-from pipeline.data import convert
-from pipeline.run import driver
-from pipeline.run.config import ConfigError, JobConfig
+from pipeline.data import convert, images, shards
+from pipeline.data import prepare as prepare_data
+from pipeline.run import inputs
+from pipeline.run import plan as planning
+from pipeline.run.cli import job_config
+from pipeline.run.config import ConfigError
 from pipeline.run.store import OutputStore
+from pipeline.tasks import TASKS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,7 +71,7 @@ def detailcaps_dataset(n: int) -> datasets.Dataset:
 
 
 def _pixel(rec) -> list[int]:
-    return np.asarray(data.decode_image(rec["images"][0]))[0, 0].tolist()
+    return np.asarray(images.decode_image(rec["images"][0]))[0, 0].tolist()
 
 
 def test_save_to_disk_with_image_feature(tmp_path):
@@ -117,14 +119,14 @@ def test_broken_image_names_row_and_column(tmp_path):
     ds = detailcaps_dataset(3)
     ds = ds.map(lambda r, i: {"binary": b"\x89PNG broken" if i == 1 else r["binary"]}, with_indices=True)
     ds.to_parquet(str(tmp_path / "DetailCaps-4870.parquet"))
-    with pytest.raises(data.DataError, match=r"row 1 column 'binary': cannot decode image"):
+    with pytest.raises(shards.DataError, match=r"row 1 column 'binary': cannot decode image"):
         list(convert.convert_detailcaps(local_path=tmp_path))
 
 
 def test_prepare_data_from_save_to_disk(tmp_path):
     textcaps_dataset(["a", "b", "c"]).save_to_disk(str(tmp_path / "tc"))
     assert prepare_data.main(["textcaps", "--local-path", str(tmp_path / "tc"), "--out", str(tmp_path / "shards")]) == 0
-    t = data.read_input(str(tmp_path / "shards"))
+    t = shards.read_input(str(tmp_path / "shards"))
     assert t.column("sample_id").to_pylist() == ["textcaps-a", "textcaps-b", "textcaps-c"]
 
 
@@ -137,17 +139,17 @@ def test_offline_with_nothing_cached_is_one_line(tmp_path):
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert r.returncode == 2, r.stdout + r.stderr
     assert len(lines) == 1 and "--local-path" in lines[0] and "DetailCaps-4870" in lines[0], lines
-    assert not (tmp_path / "out" / data.SUCCESS_MARKER).exists()
+    assert not (tmp_path / "out" / shards.SUCCESS_MARKER).exists()
 
 
 # ------------------------------------------------------------------------------------- the jobs' --dataset
 def test_job_dataset_flag_is_checked_up_front(tmp_path):
-    cfg = JobConfig.from_args(["--dataset", "lmms-lab/TextCaps:val"], task="textcaps")
+    cfg = job_config(["--dataset", "lmms-lab/TextCaps:val"], task="textcaps")
     assert cfg.dataset == "lmms-lab/TextCaps:val"
     named = convert.parse_dataset(cfg.dataset, "textcaps")
-    assert named.local_path is None and named.source == convert.TEXTCAPS and named.split == "val"
+    assert named.local_path is None and named.task is TASKS["textcaps"] and named.split == "val"
     other = convert.parse_dataset("textcaps:train", "textcaps")
-    assert (other.split, other.source) == ("train", convert.TEXTCAPS)
+    assert (other.split, other.task) == ("train", TASKS["textcaps"])
     for argv, task, words in (
         (["--dataset", "someone/Other"], "textcaps", "neither lmms-lab/TextCaps"),
         (["--dataset", "textcaps", "--shards", str(tmp_path)], "textcaps", "not both"),
@@ -155,7 +157,7 @@ def test_job_dataset_flag_is_checked_up_front(tmp_path):
         (["--dataset", "lmms-lab/TextCaps"], "detailcaps", "neither foundation-multimodal-models"),
     ):
         with pytest.raises(ConfigError, match=words) as e:
-            JobConfig.from_args(argv, task=task)
+            job_config(argv, task=task)
         assert e.value.field == "dataset"
 
 
@@ -165,8 +167,8 @@ def test_job_dataset_from_a_local_copy_is_converted_once(tmp_path, monkeypatch):
                          ).save_to_disk(str(tmp_path / "tc"))
 
     def plan(spec):
-        cfg = JobConfig.from_args(["--dataset", spec, "--output-dir", str(tmp_path / "out")], task="textcaps")
-        paths, p = driver.plan_job(cfg, OutputStore(cfg.output_dir), driver.scan_inputs(cfg))
+        cfg = job_config(["--dataset", spec, "--output-dir", str(tmp_path / "out")], task="textcaps")
+        paths, p = planning.plan_job(cfg, OutputStore(cfg.output_dir), inputs.scan_inputs(cfg))
         return paths, [r.sample_id for r in p.rows]
 
     paths, ids = plan(str(tmp_path / "tc"))

@@ -7,8 +7,8 @@ import argparse
 import re
 import shlex
 
-from pipeline.run.cli import build_arg_parser
-from pipeline.run.config import JobConfig, default_runs_root
+from pipeline.run.cli import build_arg_parser, job_config
+from pipeline.run.config import default_runs_root
 
 
 def test_help_gives_every_flag_a_text_and_its_real_default():
@@ -20,7 +20,7 @@ def test_help_gives_every_flag_a_text_and_its_real_default():
             continue
         assert a.help and "(default: " in a.help, f"{a.option_strings[0]} has no help text with its default"
     helps = {a.dest: a.help for a in p._actions}
-    assert "(default: all)" in helps["methods"] and "(default: textcaps 64)" in helps["max_new_tokens"]
+    assert "(default: all: full, bacon," in helps["methods"] and "(default: textcaps 64)" in helps["max_new_tokens"]
     assert f"(default: sqlite:///{default_runs_root() / 'mlflow.db'})" in helps["mlflow_uri"]
     assert f"(default: {default_runs_root()}/<job name>)" in helps["output_dir"]
 
@@ -35,7 +35,7 @@ def test_help_groups_user_flags_and_hides_the_engine():
     listed = [a for a in p._actions if a.dest not in ("help", "engine")]
     assert all(any(a in g._group_actions for g in p._action_groups[2:]) for a in listed)  # none left ungrouped
     assert "--engine" not in text and "module:Class" not in text
-    cfg = JobConfig.from_args(["--engine", "tests.pipeline_helpers:FakeEngine"], task="detailcaps")
+    cfg = job_config(["--engine", "tests.pipeline_helpers:FakeEngine"], task="detailcaps")
     assert cfg.engine == "tests.pipeline_helpers:FakeEngine"  # still accepted (the tests' fake engines)
 
 
@@ -48,4 +48,4 @@ def test_help_epilog_gives_two_valid_example_commands():
     for cmd in commands:
         argv = shlex.split(cmd)
         assert argv[:2] == ["python", "jobs/textcaps.py"], cmd
-        JobConfig.from_args(argv[2:], task="textcaps")  # the job's own validation: a bad flag would raise
+        job_config(argv[2:], task="textcaps")  # the job's own validation: a bad flag would raise

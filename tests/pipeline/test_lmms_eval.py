@@ -23,7 +23,14 @@ from lmms_eval import evaluator  # noqa: E402
 from lmms_eval.api.instance import Instance  # noqa: E402
 from lmms_eval.models import get_model  # noqa: E402
 from lmms_eval.tasks import TaskManager  # noqa: E402
-from PIL import Image  # noqa: E402
+from PIL import (
+    Image,  # noqa: E402
+    ImageFile,  # noqa: E402
+)
+
+# lmms_eval.api.task sets PIL's process-wide ImageFile.LOAD_TRUNCATED_IMAGES on import (lmms-eval's own policy:
+# truncated images decode, padded). The rest of this test process checks that the pipeline refuses them.
+ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 import rcr  # noqa: E402
 import rcr.models  # noqa: E402
@@ -32,11 +39,12 @@ from pipeline.data import synthetic  # noqa: E402
 from pipeline.data.images import sample_images  # noqa: E402
 from pipeline.data.shards import read_input, write_shards  # noqa: E402
 from pipeline.lmms.tasks import write_task, write_tasks  # noqa: E402
+from pipeline.tasks import TASKS  # noqa: E402
 from rcr.config import ConfigError  # noqa: E402
 
 MAX_NEW = 24
 SELECTED = "selected=4,candidates=16"
-TASKS = ["rcr_detailcaps", "rcr_textcaps"]
+LMMS_TASKS = ["rcr_detailcaps", "rcr_textcaps"]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +88,7 @@ def logged(results: dict, task: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def full_run(task_dir):
-    return evaluate(task_dir, TASKS, "pretrained=embedded,method=full")
+    return evaluate(task_dir, LMMS_TASKS, "pretrained=embedded,method=full")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +106,7 @@ def test_full_reproduces_rcr_generate(task_dir, full_run):
     """Every sample's text under method=full is plain rcr.generate's (batch 1, same prompt and max_new_tokens),
     and the tasks report lmms-eval's ROUGE-L and CIDEr."""
     model, processor = rcr.models.load("embedded")
-    for task in TASKS:
+    for task in LMMS_TASKS:
         got = logged(full_run, task)
         rows = read_input(task_dir / "shards" / task.removeprefix("rcr_")).to_pylist()
         assert sorted(got) == sorted(r["sample_id"] for r in rows)
@@ -122,7 +130,8 @@ def test_telemetry_and_fidelity_in_logged_samples(full_run, rcr_batch1):
     assert len(got) == 4
     for sid, s in got.items():
         tel = s["counts"]["rcr"]
-        assert tel["method"] == "rcr" and tel["output_tokens"] == s["counts"]["output_tokens"] >= 1
+        # the label: rcr with its own knob given as a model arg (candidates=16)
+        assert tel["method"] == "rcr@candidates=16" and tel["output_tokens"] == s["counts"]["output_tokens"] >= 1
         assert 0.0 < tel["refresh_fraction"] <= 1.0 and tel["keys_read_per_step"] > 0.0
         assert tel["mean_drift"] is not None and tel["prefix_len"] > 0
         assert tel["fidelity"] == pytest.approx(rouge_l_f1(full[sid]["text"], s["text"]))
@@ -145,15 +154,17 @@ def test_padded_batch_matches_batch_one(task_dir, rcr_batch1):
 
 
 @pytest.mark.parametrize("args, named", [
-    ("method=bogus", "method='bogus'"),
-    ("method=fixed@x", "method='fixed@x'"),
+    ("method=bogus", "unknown method 'bogus'"),
+    ("method=fixed@x", "'fixed@x'"),
     ("method=rcr,selectd=3", "selectd"),
-    ("method=rcr,rank=0", "RCRConfig.rank"),
+    ("method=rcr,rank=0", "field 'rcr.rank'"),  # a knob of the method, given as its own model arg
+    ("method=rcr@rho=2", "field 'rcr.rho'"),  # ... or in its label
     ("method=rcr,tau0=high", "tau0"),
+    ("method=rcr,bacon_kernel=4", "field 'RCRConfig.bacon_kernel'"),  # a shared field, checked by RCRConfig
     ("method=rcr,batch_size=auto", "batch_size"),
     ("method=rcr,dtype=float8", "dtype"),
     ("method=rcr,device=gpu0", "device"),
-    ("method=infinigen,pretrained=Qwen/Qwen2-VL-2B-Instruct", "infinigen_calibration"),
+    ("method=infinigen,pretrained=Qwen/Qwen2-VL-2B-Instruct", "infinigen.calibration"),
 ])
 def test_bad_model_args_fail_in_one_line(args, named):
     """Through lmms-eval's own construction path (the evaluator's), before the model loads."""
@@ -224,7 +235,7 @@ def test_a_video_file_is_decoded_as_rcr_generate_decodes_its_frames(tmp_path):
         out.mux(stream.encode())
     m = get_model("rcr").create_from_arg_string("pretrained=embedded,method=full")
     m.task_dict = {"t": {"test": [{}]}}
-    prompt = synthetic.PROMPTS["video"]
+    prompt = TASKS["video"].prompt
     req = Instance(request_type="generate_until", idx=0, metadata={"task": "t", "doc_id": 0, "repeats": 1},
                    arguments=(prompt, {"max_new_tokens": 16, "until": []}, lambda doc: [str(path)], 0, "t", "test"))
     (got,) = m.generate_until([req])

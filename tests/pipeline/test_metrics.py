@@ -11,7 +11,6 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from pipeline.analysis import text_metrics
 from pipeline.analysis.analyze import analyze
 from pipeline.analysis.bootstrap import bootstrap_means, paired_bootstrap
 from pipeline.analysis.labels import parse_sweep_tau, sweep_methods
@@ -291,25 +290,15 @@ def test_sweep_labels():
 
 
 def test_docs_pandas_queries_run(tmp_path, frame):
-    """The README's pandas queries run on a Parquet output directory."""
+    """docs/pipeline.md's pandas queries run on a Parquet output directory."""
     out = tmp_path / "out"
     write_output_dir(frame, out)
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("### Query the Parquet output with pandas")
-    doc = readme[start:readme.index("\n## ", start)]
-    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
-    assert len(blocks) >= 3
+    doc = (ROOT / "docs" / "pipeline.md").read_text()
+    start = doc.index("### Query the Parquet output with pandas")
+    section = doc[start:doc.index("\n## ", start)]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1
     ns = {"OUT": str(out)}
-    for b in blocks:
-        exec(re.sub(r"(?m)^OUT = .*$", "", b), ns)
-    assert {"per_method", "worst", "per_step"} <= set(ns)
-    assert "rcr" in ns["per_method"].index and len(ns["worst"]) > 0 and len(ns["per_step"]) > 5
-
-
-def test_parallel_rouge_matches_serial(monkeypatch):
-    df = make_output_frame(n_samples=6, methods=("full", "bacon", "rcr"))
-    serial = analyze(df, bootstrap_resamples=200, n_jobs=1).per_sample
-    monkeypatch.setattr(text_metrics, "PARALLEL_MIN_CELLS", 1)
-    parallel = analyze(df, bootstrap_resamples=200, n_jobs=2).per_sample
-    pd.testing.assert_series_equal(serial.fidelity, parallel.fidelity)
-    pd.testing.assert_series_equal(serial.rougeL_ref, parallel.rougeL_ref)
+    exec(re.sub(r"(?m)^OUT = .*$", "", blocks[0]), ns)
+    assert {"per_method", "worst", "per_step", "a"} <= set(ns)
+    assert set(ns["per_method"].index) == set(frame.method[frame.error.isna()])

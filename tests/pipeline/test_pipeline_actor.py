@@ -1,5 +1,6 @@
 """The actor's callable class on plain dicts (no Ray), with a fake engine: rows, error rows, image modes."""
 
+import dataclasses
 from pathlib import Path
 
 import pyarrow as pa
@@ -102,11 +103,11 @@ def test_video_frames_reach_the_engine_as_one_sample(evaluator):
 
 
 def test_embedded_shards_are_generated_once(tmp_path, monkeypatch):
-    from pipeline import data
-    from pipeline.run import driver as run
+    from pipeline.run import inputs as run
+    from pipeline.tasks import TASKS
 
     monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path))
-    monkeypatch.setitem(data.EMBEDDED_SIZES, "textcaps", 3)
+    monkeypatch.setitem(TASKS, "textcaps", dataclasses.replace(TASKS["textcaps"], embedded_size=3))
     (d,) = run.embedded_shards("textcaps")
     files = sorted(Path(d).glob("*.parquet"))
     assert files and sum(pa.parquet.read_metadata(f).num_rows for f in files) == 3
@@ -118,12 +119,12 @@ def test_embedded_shards_are_generated_once(tmp_path, monkeypatch):
 def test_embedded_shards_follow_the_model_layout(tmp_path, monkeypatch):
     """A new embedded model (a new scene layout) gets its own shards: the cached ones of the old layout are
     never reused."""
-    from pipeline import data
     from pipeline.data import synthetic
-    from pipeline.run import driver as run
+    from pipeline.run import inputs as run
+    from pipeline.tasks import TASKS
 
     monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path))
-    monkeypatch.setitem(data.EMBEDDED_SIZES, "detailcaps", 2)
+    monkeypatch.setitem(TASKS, "detailcaps", dataclasses.replace(TASKS["detailcaps"], embedded_size=2))
     dirs = {}
     for layout in ("v1", "v2"):
         monkeypatch.setattr(synthetic, "DEFAULT_LAYOUT", layout)
@@ -150,7 +151,7 @@ def test_offload_bytes_reach_the_output_rows(tmp_path):
 
 def test_progress_says_it_waits_until_the_first_batch_then_counts(capsys):
     """Before any row arrives (the actors are loading the model) the line says so instead of a 0.00 rate."""
-    from pipeline.run.driver import _Progress
+    from pipeline.run.writer import Progress as _Progress
 
     p = _Progress(total_pairs=4, total_samples=2, every_s=60)
     p.report(force=True)

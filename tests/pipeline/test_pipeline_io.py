@@ -6,7 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.run.config import ConfigError
-from pipeline.run.store import OutputStore, make_plan, resolve_shards, scan_shards
+from pipeline.run.inputs import resolve_shards, scan_shards
+from pipeline.run.plan import make_plan
+from pipeline.run.store import OutputStore
 from pipeline.schema import output_table
 from tests.pipeline_helpers import synthetic_records, write_shard
 

@@ -11,16 +11,14 @@ import pytest
 import torch
 from PIL import Image
 
-import rcr.models
 from pipeline import schema
 from pipeline.analysis import tracking
 from pipeline.analysis.analyze import METHOD_MEANS, analyze
 from pipeline.analysis.labels import order_methods
 from pipeline.analysis.report import minimal_summary
 from pipeline.analysis.telemetry import as_2d
-from pipeline.data import convert, decode_image, synthetic
-from pipeline.data.images import load_sample_images
-from pipeline.run import config, store
+from pipeline.data.images import decode_image, load_sample_images
+from pipeline.run import config, inputs
 from rcr.generate import GenerationResult
 from rcr.telemetry import HostTelemetry
 from tests.fake_output import make_output_frame
@@ -131,13 +129,6 @@ def test_one_tracking_uri_resolver(uri, tmp_path, monkeypatch):
         assert cfg.mlflow_uri == uri  # SQLite's in-memory database, not a file named ':memory:'
 
 
-def test_one_list_of_tasks_and_prompts():
-    assert config.TASKS is schema.TASKS
-    assert set(rcr.models.PROMPTS) == set(schema.TASKS)
-    assert {s.task: s.prompt for s in convert.SOURCES.values()} == {t: rcr.models.PROMPTS[t] for t in convert.SOURCES}
-    assert synthetic.PROMPTS == rcr.models.PROMPTS and tuple(synthetic.TASKS) == schema.TASKS
-
-
 def test_one_arrow_type_check(tmp_path):
     """The shard scan and the input validation accept the same variants; list_view, which the scan accepted
     and the validation refused, is refused by both (it does not cast to list)."""
@@ -148,13 +139,13 @@ def test_one_arrow_type_check(tmp_path):
     assert schema.validate_input_table(t).schema.equals(schema.INPUT_SCHEMA)
     path = tmp_path / "s.parquet"
     pq.write_table(t, path)
-    store.check_shard_schema(str(path))  # the type written back by Parquet: accepted too
+    inputs.check_shard_schema(str(path))  # the type written back by Parquet: accepted too
     bad = pa.table({**good, "references": pa.array([[1]], pa.list_(pa.int64()))})
     with pytest.raises(schema.SchemaError, match="'references' has type"):
         schema.validate_input_table(bad)
     pq.write_table(bad, path)
     with pytest.raises(config.ConfigError, match="'references' has type"):
-        store.check_shard_schema(str(path))
+        inputs.check_shard_schema(str(path))
     assert not schema.type_matches(pa.list_(pa.string()), pa.string())
     assert not schema.type_matches(pa.list_view(pa.binary()), pa.list_(pa.binary()))
 

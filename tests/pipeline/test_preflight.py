@@ -14,7 +14,7 @@ import torch
 import rcr
 from pipeline import preflight
 from pipeline.preflight import PreflightError
-from pipeline.run.config import JobConfig
+from pipeline.run.cli import job_config
 from rcr.models import SUPPORTED, build_inputs, load
 from tests import tiny_models
 
@@ -67,11 +67,11 @@ def test_every_family_saved_as_a_checkpoint_passes_and_loads(family, saved):
     model, proc = load(path)
     inputs = build_inputs(proc, [tiny_models.random_prompt(0, 5), tiny_models.random_prompt(1, 9)],
                           [[tiny_models.random_image(0, 112)], [tiny_models.random_image(1, 112)]])
-    res = rcr.generate(model, inputs, method=["full", "rcr"], max_new_tokens=4, ignore_eos=True,
-                       config=rcr.RCRConfig(selected=4096, candidates=4096, window=8))
+    res = rcr.generate(model, inputs, method=["full", "rcr@candidates=4096"], max_new_tokens=4, ignore_eos=True,
+                       config=rcr.RCRConfig(selected=4096, window=8))
     ref = model.generate(**inputs, max_new_tokens=4, do_sample=False, eos_token_id=None)
     assert torch.equal(res["full"].sequences, ref[:, inputs["input_ids"].shape[1]:])
-    assert torch.equal(res["rcr"].sequences, res["full"].sequences)
+    assert torch.equal(res["rcr@candidates=4096"].sequences, res["full"].sequences)
 
 
 def test_a_hub_id_in_the_local_cache_resolves_to_its_snapshot(saved, tmp_path):
@@ -95,7 +95,7 @@ def test_a_hub_id_not_in_the_cache_while_offline_is_one_line(tmp_path):
 def test_a_hub_id_while_the_hub_is_unreachable_is_one_line_without_retries(tmp_path, monkeypatch, caplog):
     """Online, but nothing answers at the Hub's address (here: a closed port on 127.0.0.1): one request, then the
     one line; not huggingface_hub's download, which retries an unreachable Hub five times, a log line each."""
-    from tests.pipeline_helpers import free_port
+    from tests.ray_head import free_port
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -146,7 +146,7 @@ def test_a_processor_that_does_not_load_and_a_video_task_without_video(tmp_path,
 
 def test_device_cuda_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = JobConfig.from_args(["--device", "cuda", "--engine", "tests.pipeline_helpers:FakeEngine"], task="detailcaps")
+    cfg = job_config(["--device", "cuda", "--engine", "tests.pipeline_helpers:FakeEngine"], task="detailcaps")
     with pytest.raises(PreflightError) as e:
         preflight.check(cfg)
     assert str(e.value).startswith("--device cuda but no GPU is visible") and e.value.field == "device"

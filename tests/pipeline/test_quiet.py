@@ -50,9 +50,9 @@ def test_an_error_written_just_before_the_process_is_killed_still_comes_out():
 def test_the_read_stage_function_imports_no_torch():
     """Ray Data's read tasks import the module of the function they run: pipeline.run.select must stay light
     (a worker that imports torch holds ~0.45 GiB more, which Ray Data's memory detector reported)."""
-    from pipeline.run import driver, select
+    from pipeline.run import ray_stages, select
 
-    assert driver.select_planned is select.select_planned
+    assert ray_stages.select_planned is select.select_planned
     code = ("import sys, pipeline.run.select; "
             "print(sorted(m for m in ('torch', 'transformers', 'rcr') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -61,7 +61,7 @@ def test_the_read_stage_function_imports_no_torch():
 
 def test_the_read_stage_memory_figure_stays_schedulable():
     """The read tasks' memory figure, capped at a quarter of the cluster's memory (a small node still runs them)."""
-    from pipeline.run.driver import READER_MEMORY, reader_memory
+    from pipeline.run.ray_stages import READER_MEMORY, reader_memory
 
     assert reader_memory({}) == READER_MEMORY == reader_memory({"memory": 64 * 2**30})
     assert reader_memory({"memory": 2 * 2**30}) == 2**29

@@ -9,9 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import data
+from pipeline.data import images, shards
 from pipeline.data import synthetic as S
 from pipeline.schema import INPUT_SCHEMA, SchemaError, input_table_from_records, validate_input_table
+from pipeline.tasks import TASKS
 
 
 def _record(**over):
@@ -32,8 +33,8 @@ def test_same_seed_same_bytes(task):
 
 
 def test_workers_do_not_change_output(tmp_path):
-    one = list(data.synthetic_records("detailcaps", 10, seed=5, workers=1, chunk=3))
-    two = list(data.synthetic_records("detailcaps", 10, seed=5, workers=2, chunk=3))
+    one = list(shards.synthetic_records("detailcaps", 10, seed=5, workers=1, chunk=3))
+    two = list(shards.synthetic_records("detailcaps", 10, seed=5, workers=2, chunk=3))
     assert one == two
     # the default layout's name is in the id unless it is v1's (whose ids predate the layouts)
     tag = "" if S.DEFAULT_LAYOUT == "v1" else f"{S.DEFAULT_LAYOUT}-"
@@ -260,7 +261,7 @@ def test_textcaps_cells_are_where_each_captioned_object_is_drawn(layout):
 def test_vocabulary_covers_everything(layout):
     vocab = set(S.vocabulary())
     for task in S.TASKS:
-        assert set(S.canonical(S.PROMPTS[task]).split()) <= vocab
+        assert set(S.canonical(TASKS[task].prompt).split()) <= vocab
         for i in range(25):
             _, text = S.render(task, 9, i, layout=layout)
             assert set(text.split()) <= vocab, set(text.split()) - vocab
@@ -271,7 +272,7 @@ def test_unknown_task_and_bad_args():
     with pytest.raises(S.SyntheticError, match="task"):
         S.render("captions", 0, 0)
     with pytest.raises(S.SyntheticError, match="task"):
-        list(data.synthetic_records("nope", 2))
+        list(shards.synthetic_records("nope", 2))
     with pytest.raises(S.SyntheticError, match="n_objects"):
         S.render("detailcaps", 0, 0, n_objects=17, layout="v1")  # 16 cells
     with pytest.raises(S.SyntheticError, match="n_objects"):
@@ -286,9 +287,9 @@ def test_records_match_schema_and_images_decode():
     table = input_table_from_records(recs)
     assert table.schema.equals(INPUT_SCHEMA, check_metadata=False)
     for row in table.to_pylist():
-        imgs = data.sample_images(row)
+        imgs = images.sample_images(row)
         assert all(im.mode == "RGB" for im in imgs)
-        assert row["prompt"] == S.PROMPTS[row["task"]]
+        assert row["prompt"] == TASKS[row["task"]].prompt
         assert row["source"] == "synthetic"
 
 
@@ -320,26 +321,26 @@ def test_validate_names_the_bad_field():
 
 def test_undecodable_image_is_named():
     row = _record(images=[b"not an image"])
-    with pytest.raises(data.DataError, match=rf"sample_id='{re.escape(row['sample_id'])}' field 'images'\[0\]"):
-        data.sample_images(row)
+    with pytest.raises(shards.DataError, match=rf"sample_id='{re.escape(row['sample_id'])}' field 'images'\[0\]"):
+        images.sample_images(row)
 
 
 # ------------------------------------------------------------------------------------- shards
 def test_write_read_roundtrip_and_atomicity(tmp_path):
     out = tmp_path / "shards"
-    paths = data.write_synthetic(out, "textcaps", 7, seed=1, shard_size=3)
+    paths = shards.write_synthetic(out, "textcaps", 7, seed=1, shard_size=3)
     assert [p.name for p in paths] == ["textcaps-00000.parquet", "textcaps-00001.parquet", "textcaps-00002.parquet"]
-    assert (out / data.SUCCESS_MARKER).exists()
+    assert (out / shards.SUCCESS_MARKER).exists()
     assert not list(out.glob(".*tmp"))
-    t = data.read_input(out)
+    t = shards.read_input(out)
     assert t.num_rows == 7 and t.schema.equals(INPUT_SCHEMA, check_metadata=False)
-    assert t.to_pylist() == list(data.synthetic_records("textcaps", 7, seed=1))
+    assert t.to_pylist() == list(shards.synthetic_records("textcaps", 7, seed=1))
     # pixels survive the round trip exactly
     frames, _ = S.render("textcaps", 1, 4)
-    assert np.array_equal(np.asarray(data.sample_images(t.to_pylist()[4])[0]), frames[0])
+    assert np.array_equal(np.asarray(images.sample_images(t.to_pylist()[4])[0]), frames[0])
     # rewriting with fewer rows leaves no stale shard behind
-    data.write_synthetic(out, "textcaps", 2, seed=1, shard_size=3)
-    assert data.read_input(out).num_rows == 2
+    shards.write_synthetic(out, "textcaps", 2, seed=1, shard_size=3)
+    assert shards.read_input(out).num_rows == 2
 
 
 def test_incomplete_directory_is_not_presented_as_complete(tmp_path, monkeypatch):
@@ -349,13 +350,13 @@ def test_incomplete_directory_is_not_presented_as_complete(tmp_path, monkeypatch
         yield from records[:4]
         raise RuntimeError("interrupted")
 
-    recs = list(data.synthetic_records("textcaps", 6, seed=0))
+    recs = list(shards.synthetic_records("textcaps", 6, seed=0))
     with pytest.raises(RuntimeError):
-        data.write_shards(boom(recs), out, shard_size=2)
-    assert not (out / data.SUCCESS_MARKER).exists()
-    with pytest.raises(data.DataError, match="incomplete"):
-        data.read_input(out)
-    assert data.read_input(out, require_complete=False).num_rows == 4
+        shards.write_shards(boom(recs), out, shard_size=2)
+    assert not (out / shards.SUCCESS_MARKER).exists()
+    with pytest.raises(shards.DataError, match="incomplete"):
+        shards.read_input(out)
+    assert shards.read_input(out, require_complete=False).num_rows == 4
     # a writer that dies inside pq.write_table leaves only a hidden temporary, never the final name
     real = pq.write_table
 
@@ -365,7 +366,7 @@ def test_incomplete_directory_is_not_presented_as_complete(tmp_path, monkeypatch
 
     monkeypatch.setattr(pq, "write_table", dying)
     with pytest.raises(OSError):
-        data.write_shard(input_table_from_records(recs[:1]), out / "x.parquet")
+        shards.write_shard(input_table_from_records(recs[:1]), out / "x.parquet")
     monkeypatch.setattr(pq, "write_table", real)
     assert not (out / "x.parquet").exists()
     assert not list(out.glob(".tmp-*"))
@@ -374,12 +375,12 @@ def test_incomplete_directory_is_not_presented_as_complete(tmp_path, monkeypatch
 def test_read_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"garbage")
-    with pytest.raises(data.DataError, match="bad.parquet"):
-        data.read_input(bad)
+    with pytest.raises(shards.DataError, match="bad.parquet"):
+        shards.read_input(bad)
     t = input_table_from_records([_record()]).drop(["prompt"])
     f = tmp_path / "noprompt.parquet"
     pq.write_table(t, f)
     with pytest.raises(SchemaError, match=r"noprompt.parquet: missing column 'prompt'"):
-        data.read_input(f)
-    with pytest.raises(data.DataError, match="no such file"):
-        data.read_input(tmp_path / "nothing")
+        shards.read_input(f)
+    with pytest.raises(shards.DataError, match="no such file"):
+        shards.read_input(tmp_path / "nothing")

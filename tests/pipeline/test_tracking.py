@@ -64,7 +64,7 @@ def job(tmp_path_factory):
     df = make_output_frame(n_samples=12, methods=METHODS, errors=2, job_name="tiny-job", config_hash="abc123")
     write_output_dir(df, out)
     config = {"task": "detailcaps", "model": "embedded", "methods": list(METHODS), "job_name": "tiny-job",
-              "output_dir": str(out), "experiment": "rcr-test", "rcr": {"rho": 0.4, "tau0": 0.03},
+              "output_dir": str(out), "experiment": "rcr-test", "rcr": {"selected": 32, "window": 32},
               "bootstrap_resamples": RES}
     (out / "_runs").mkdir()
     (out / "_runs" / "r1.json").write_text(json.dumps({"config": config, "config_hash": "abc123",
@@ -84,10 +84,10 @@ def test_runs_metrics_artifacts_exist(job):
     t, p = parent.data.tags, parent.data.params
     assert t["rcr.complete"] == "1" and t["rcr.job_key"] and len(t["mlflow.source.git.commit"]) >= 7
     assert "fidelity" in t["mlflow.note.content"]  # the summary table is the run's description
-    for k in ("git_commit", "model", "dataset", "task", "config_hash", "config.rcr.rho", "config.methods",
+    for k in ("git_commit", "model", "dataset", "task", "config_hash", "config.rcr.selected", "config.methods",
               "fidelity_metric", "reference_rougeL", "cider", "bootstrap_resamples"):
         assert k in p, k
-    assert p["dataset"] == "synthetic" and p["config.rcr.rho"] == "0.4" and "rouge-score" in p["fidelity_metric"]
+    assert p["dataset"] == "synthetic" and p["config.rcr.selected"] == "32" and "rouge-score" in p["fidelity_metric"]
     assert parent.data.metrics["n_error_rows"] == int(job["df"].error.notna().sum())
     assert 0 < parent.data.metrics["top_pos_unchanged_fraction"] < 1
     assert any(k.startswith("spearman_gap_exact.rcr.vs_mean_drift") for k in parent.data.metrics)

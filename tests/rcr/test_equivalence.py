@@ -13,11 +13,12 @@ import rcr
 from rcr.generate import build_cache
 from rcr.models import build_inputs, geometry
 from tests import tiny_models
+from tests.methods import Scale
 
 # Every method test runs over the registry: a method added to it is covered automatically.
 ALL_METHODS = list(rcr.METHODS)
 
-BIG = rcr.RCRConfig(selected=4096, candidates=4096, window=8)  # budget >= any test prefix
+BIG = Scale(rcr.RCRConfig(selected=4096, window=8), candidates=4096)  # budget >= any test prefix
 N_NEW = 10
 
 
@@ -35,7 +36,7 @@ def test_video_every_method_equals_full_and_transformers(family):
     inputs = build_inputs(proc, [tiny_models.random_prompt(0, 4), tiny_models.random_prompt(1, 11)], frames,
                           video=True)
     assert not inputs["attention_mask"].bool().all()
-    res = rcr.generate(model, inputs, method=ALL_METHODS, max_new_tokens=6, config=BIG, ignore_eos=True)
+    res = rcr.generate(model, inputs, method=BIG.methods(ALL_METHODS), max_new_tokens=6, ignore_eos=True)
     assert torch.equal(res["full"].sequences, hf_greedy(model, inputs, 6)), f"{name}: full != transformers generate"
     for label in ALL_METHODS:
         assert torch.equal(res[label].sequences, res["full"].sequences), f"{name}/{label} diverged from full"
@@ -45,8 +46,8 @@ def test_compressed_methods_differ_from_full_with_small_budget():
     """The converse: at a small budget the cache really is compressed (otherwise the test above is vacuous)."""
     model, proc = tiny_models.qwen2_vl()
     inputs = tiny_models.batch_inputs(proc, [6], image_size=224)
-    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
-    res = rcr.generate(model, inputs, method=["full", "bacon", "exact"], max_new_tokens=N_NEW, config=cfg,
+    cfg = Scale(rcr.RCRConfig(selected=4, window=4), candidates=8)
+    res = rcr.generate(model, inputs, method=cfg.methods(["full", "bacon", "exact"]), max_new_tokens=N_NEW,
                        ignore_eos=True)
     assert not torch.equal(res["bacon"].sequences, res["full"].sequences)
     assert not torch.equal(res["exact"].sequences, res["full"].sequences)
@@ -57,14 +58,14 @@ def test_sliding_window_layers_keep_their_whole_prefix_and_global_layers_are_com
     the global layer holds `selected` entries and re-selects them."""
     model, proc = tiny_models.gemma3()
     inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
-    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
-    prefix = rcr.prefill(model, inputs, cfg)
+    cfg = Scale(rcr.RCRConfig(selected=4, window=4), candidates=8)
+    prefix = rcr.prefill(model, inputs, cfg.config)
     windows = [pl.sliding_window for pl in prefix.layers]
     assert windows == [tiny_models.GEMMA_SLIDING_WINDOW, None]
     assert prefix.n_prefix > tiny_models.GEMMA_SLIDING_WINDOW  # the window really drops prefix entries
-    cache = build_cache(rcr.parse_method("exact", cfg), prefix, N_NEW)
+    cache = build_cache(cfg.method("exact"), prefix, N_NEW)
     assert cache.layers[0].n_selected == prefix.n_prefix and cache.layers[1].n_selected == 4
-    res = rcr.generate(model, inputs, method=["full", "exact"], max_new_tokens=N_NEW, config=cfg, ignore_eos=True)
+    res = rcr.generate(model, inputs, method=cfg.methods(["full", "exact"]), max_new_tokens=N_NEW, ignore_eos=True)
     trigger = res["exact"].telemetry.trigger  # (B, L, T)
     assert np.isnan(trigger[:, 0]).all() and (trigger[:, 1] == 1).all()  # the local layer has no selection
     assert not torch.equal(res["exact"].sequences, res["full"].sequences)
@@ -82,7 +83,7 @@ def test_a_window_from_the_config_applies_to_every_layer():
     model.load_state_dict(base.state_dict())
     assert geometry(model).sliding_windows == (12,) * cfg.text_config.num_hidden_layers
     inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
-    res = rcr.generate(model, inputs, method=["full", "exact"], max_new_tokens=N_NEW, config=BIG, ignore_eos=True)
+    res = rcr.generate(model, inputs, method=BIG.methods(["full", "exact"]), max_new_tokens=N_NEW, ignore_eos=True)
     ref = hf_greedy(model, inputs, N_NEW)
     assert torch.equal(res["full"].sequences, ref) and torch.equal(res["exact"].sequences, ref)
     assert not torch.equal(ref, hf_greedy(base, inputs, N_NEW))  # the window changed the answer
@@ -111,8 +112,8 @@ def test_a_mistral_config_without_a_window_is_compressed_at_every_layer():
     inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
     context = inputs["input_ids"].shape[1] + N_NEW - 1
     assert geometry(model).reselected(context) == (True,) * L
-    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
-    res = rcr.generate(model, inputs, method=["full", "exact", "rcr"], max_new_tokens=N_NEW, config=cfg,
+    cfg = Scale(rcr.RCRConfig(selected=4, window=4), candidates=8)
+    res = rcr.generate(model, inputs, method=cfg.methods(["full", "exact", "rcr"]), max_new_tokens=N_NEW,
                        ignore_eos=True)
     assert torch.equal(res["full"].sequences, hf_greedy(model, inputs, N_NEW))
     assert (res["exact"].telemetry.trigger == 1).all()  # a decision at every layer-step of every layer
@@ -128,7 +129,7 @@ def test_a_window_is_local_exactly_when_it_can_exclude_an_entry():
     longest = inputs["input_ids"].shape[1] + N_NEW - 1
     for window, reselected in ((longest, True), (longest - 1, False)):
         model, _ = _with_text_config("llava_next", sliding_window=window)
-        res = rcr.generate(model, inputs, method=["full", "exact"], max_new_tokens=N_NEW, config=BIG, ignore_eos=True)
+        res = rcr.generate(model, inputs, method=BIG.methods(["full", "exact"]), max_new_tokens=N_NEW, ignore_eos=True)
         assert torch.equal(res["full"].sequences, hf_greedy(model, inputs, N_NEW)), window
         trigger = res["exact"].telemetry.trigger
         assert ((trigger == 1).all() if reselected else np.isnan(trigger).all()), window
@@ -141,8 +142,8 @@ def test_a_gemma3_window_longer_than_the_context_is_reselected():
     inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
     assert geometry(model).sliding_windows[0] == 4096
     assert geometry(model).reselected(inputs["input_ids"].shape[1] + N_NEW - 1) == (True, True)
-    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
-    res = rcr.generate(model, inputs, method=["full", "exact"], max_new_tokens=N_NEW, config=cfg, ignore_eos=True)
+    cfg = Scale(rcr.RCRConfig(selected=4, window=4), candidates=8)
+    res = rcr.generate(model, inputs, method=cfg.methods(["full", "exact"]), max_new_tokens=N_NEW, ignore_eos=True)
     assert torch.equal(res["full"].sequences, hf_greedy(model, inputs, N_NEW))
     assert (res["exact"].telemetry.trigger == 1).all()
 
@@ -163,11 +164,11 @@ def test_compiled_decode_keeps_the_window_on_sliding_window_layers(label, fresh_
     than the window; `full` compiled still equals transformers' own `generate`."""
     model, proc = tiny_models.gemma3()
     inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
-    cfg = rcr.RCRConfig(selected=4, window=4, candidates=8)
-    prefix = rcr.prefill(model, inputs, cfg)
+    cfg = Scale(rcr.RCRConfig(selected=4, window=4), candidates=8)
+    prefix = rcr.prefill(model, inputs, cfg.config)
     assert prefix.n_prefix > tiny_models.GEMMA_SLIDING_WINDOW
-    eager = rcr.decode(model, prefix, rcr.parse_method(label, cfg), N_NEW, eos_token_id=[])
-    dec = rcr.Decoder(model, prefix, rcr.parse_method(label, cfg.replace(compile="eager")), N_NEW, eos_token_id=[])
+    eager = rcr.decode(model, prefix, cfg.method(label), N_NEW, eos_token_id=[])
+    dec = rcr.Decoder(model, prefix, cfg.replace(compile="eager").method(label), N_NEW, eos_token_id=[])
     assert all(layer.static for layer in dec.cache.layers)
     dec.run()
     compiled = dec.result(0.0, 0.0)

@@ -18,6 +18,7 @@ from rcr.cache import ResidentLayer
 from rcr.detector import Detector
 from rcr.methods import parse_method
 from tests import tiny_models
+from tests.methods import Scale
 
 NEG_INF = float("-inf")
 
@@ -139,14 +140,14 @@ def test_decode_with_the_kernel_makes_the_same_decisions(label, dtype):
     """rcr::decide and rcr::merge_rows (an eager CPU decode) against the torch path, in fp32 and in bf16 keys."""
     model, proc = tiny_models.qwen2_vl()
     model = copy.deepcopy(model).to(dtype)  # a copy: the cached tiny model is shared with other tests
-    cfg = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
-    prefix = rcr.prefill(model, tiny_models.batch_inputs(proc, [4, 20], image_size=224), cfg)
-    med = float(torch.tensor(rcr.decode(model, prefix, parse_method("rcr", cfg), 6, eos_token_id=[])
+    cfg = Scale(rcr.RCRConfig(selected=8, window=8), candidates=32, tau0=0.3)
+    prefix = rcr.prefill(model, tiny_models.batch_inputs(proc, [4, 20], image_size=224), cfg.config)
+    med = float(torch.tensor(rcr.decode(model, prefix, cfg.method("rcr"), 6, eos_token_id=[])
                              .telemetry.drift).nanmedian())
-    cfg = cfg.replace(tau0=med, fixed_tau=med)
+    cfg = cfg.replace(tau0=med, tau=med)
     runs = {}
     for fused in (True, False):
-        dec = rcr.Decoder(model, prefix, parse_method(label, cfg.replace(fused_kernel=fused)), 16, eos_token_id=[])
+        dec = rcr.Decoder(model, prefix, cfg.replace(fused_kernel=fused).method(label), 16, eos_token_id=[])
         assert dec.state.fused is fused and all(layer.fused_merge is fused for layer in dec.cache.layers)
         dec.run()
         runs[fused] = dec
@@ -234,11 +235,11 @@ def test_without_a_compiler_rcr_decodes_with_the_torch_ops(unbuildable):
     with pytest.warns(RuntimeWarning, match="could not be built.*no C.. compiler"):
         assert F.available() is False
     model, proc = tiny_models.qwen2_vl()
-    cfg = rcr.RCRConfig(selected=8, window=8, candidates=32)
+    cfg = rcr.RCRConfig(selected=8, window=8)
     prefix = rcr.prefill(model, tiny_models.batch_inputs(proc, [6], image_size=112), cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once, not at every decode
-        dec = rcr.Decoder(model, prefix, parse_method("rcr", cfg), 4, eos_token_id=[])
+        dec = rcr.Decoder(model, prefix, parse_method("rcr@candidates=32", cfg), 4, eos_token_id=[])
     assert dec.state.fused is False
     dec.run()
 

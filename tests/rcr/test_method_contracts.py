@@ -24,18 +24,18 @@ from torch._dynamo.utils import counters
 
 import rcr
 from pipeline.schema import telemetry_summary
-from rcr.methods import parse_method
 from tests import tiny_models
 from tests.host_sync import HostSync, forbid_host_sync
+from tests.methods import Scale
 
 METHODS = sorted(rcr.METHODS)
-SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3, page_size=4)
-BIG = rcr.RCRConfig(selected=4096, candidates=4096, window=8)  # budget >= any test prefix
+SMALL = Scale(rcr.RCRConfig(selected=8, window=8), candidates=32, tau0=0.3, page_size=4)
+BIG = Scale(rcr.RCRConfig(selected=4096, window=8), candidates=4096)  # budget >= any test prefix
 N_NEW = 10
 
 
 def decode(model, prefix, label, cfg, n, reference=None):
-    return rcr.decode(model, prefix, parse_method(label, cfg), n, eos_token_id=[], reference_scores=reference)
+    return rcr.decode(model, prefix, cfg.method(label), n, eos_token_id=[], reference_scores=reference)
 
 
 def with_reference(model, prefix, cfg, n):
@@ -51,9 +51,9 @@ def padded():
     model, proc = tiny_models.qwen2_vl()
     inputs = tiny_models.batch_inputs(proc, [4, 20], image_size=224)
     assert not inputs["attention_mask"].bool().all()
-    prefix = rcr.prefill(model, inputs, SMALL)
+    prefix = rcr.prefill(model, inputs, SMALL.config)
     med = float(np.median(decode(model, prefix, "rcr", SMALL, 6).telemetry.drift))
-    cfg = SMALL.replace(tau0=med, fixed_tau=med)
+    cfg = SMALL.replace(tau0=med, tau=med)
     return model, prefix, cfg, with_reference(model, prefix, cfg, 12)[1]
 
 
@@ -84,7 +84,7 @@ def fresh_dynamo():
 def test_a_decode_step_makes_no_host_sync(padded, label, compile, fresh_dynamo):
     model, prefix, cfg, reference = padded
     cfg = cfg.replace(exact_drift=True, record_attention=True, compile=compile)
-    dec = rcr.Decoder(model, prefix, parse_method(label, cfg), 6, eos_token_id=[0], reference_scores=reference)
+    dec = rcr.Decoder(model, prefix, cfg.method(label), 6, eos_token_id=[0], reference_scores=reference)
     with dec.enabled(), torch.no_grad():
         dec.step()  # compiles
         with forbid_host_sync():
@@ -103,7 +103,7 @@ def test_a_compiled_decode_is_one_graph_and_equals_eager(padded, label, fresh_dy
     cfg = cfg.replace(exact_drift=True)
     n = 12
     eager = decode(model, prefix, label, cfg, n, reference)
-    dec = rcr.Decoder(model, prefix, parse_method(label, cfg.replace(compile="eager")), n, eos_token_id=[],
+    dec = rcr.Decoder(model, prefix, (cfg.replace(compile="eager")).method(label), n, eos_token_id=[],
                       reference_scores=reference)
     assert all(layer.static for layer in dec.cache.layers)
     with dec.enabled(), torch.no_grad():
@@ -116,7 +116,7 @@ def test_a_compiled_decode_is_one_graph_and_equals_eager(padded, label, fresh_dy
     got = dec.result(0.0, 0.0)
     assert torch.equal(got.sequences, eager.sequences)
     assert_same_telemetry(vars(got.telemetry), vars(eager.telemetry))
-    if parse_method(label, cfg).supports_offload:  # the drift methods: their triggers really vary
+    if cfg.method(label).supports_offload:  # the drift methods: their triggers really vary
         assert 0 < got.telemetry.trigger.mean() < 1
 
 
@@ -140,7 +140,7 @@ def test_every_input_of_the_compiled_step_is_a_static_address(padded, label, fre
 
     generate_module = sys.modules["rcr.generate"]  # (``rcr.generate`` the name is the function)
     monkeypatch.setattr(generate_module, "compile_options", lambda mode: {"backend": recording_backend})
-    dec = rcr.Decoder(model, prefix, parse_method(label, cfg.replace(compile="eager")), 4, eos_token_id=[],
+    dec = rcr.Decoder(model, prefix, (cfg.replace(compile="eager")).method(label), 4, eos_token_id=[],
                       reference_scores=reference)
     with dec.enabled(), torch.no_grad():
         dec.step()
@@ -166,7 +166,7 @@ def uncompressed():
             inputs = tiny_models.batch_inputs(proc, words)
             if len(words) > 1:
                 assert not inputs["attention_mask"].bool().all(), "the batch must be left padded"
-            prefix = rcr.prefill(model, inputs, BIG)
+            prefix = rcr.prefill(model, inputs, BIG.config)
             full, reference = with_reference(model, prefix, BIG, N_NEW)
             hf = model.generate(**inputs, max_new_tokens=N_NEW, do_sample=False, eos_token_id=None)
             assert torch.equal(full.sequences, hf[:, inputs["input_ids"].shape[1]:]), f"{family}: full != generate"
@@ -200,10 +200,10 @@ def batch_and_alone():
     assert not batch["attention_mask"].bool().all()
     alone = [tiny_models.batch_inputs(proc, [w], image_size=224, seed=i) for i, w in enumerate(words)]
     cfg = SMALL.replace(window=32)
-    prefix = rcr.prefill(model, batch, cfg)
+    prefix = rcr.prefill(model, batch, cfg.config)
     med = float(np.median(decode(model, prefix, "rcr", cfg, 6).telemetry.drift))
-    cfg = cfg.replace(tau0=med, fixed_tau=med)
-    prefixes = [prefix] + [rcr.prefill(model, inputs, cfg) for inputs in alone]
+    cfg = cfg.replace(tau0=med, tau=med)
+    prefixes = [prefix] + [rcr.prefill(model, inputs, cfg.config) for inputs in alone]
     return model, cfg, [(p, with_reference(model, p, cfg, 14)[1]) for p in prefixes]
 
 
@@ -227,7 +227,7 @@ def test_a_padded_batch_equals_its_samples_decoded_alone(batch_and_alone, label)
 def test_the_reads_of_a_row_are_the_methods_cost_model(label, family):
     model, proc = tiny_models.FAMILIES[family]()
     inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
-    prefix = rcr.prefill(model, inputs, SMALL)
+    prefix = rcr.prefill(model, inputs, SMALL.config)
     full, reference = with_reference(model, prefix, SMALL, N_NEW)
     res = decode(model, prefix, label, SMALL, N_NEW, reference)
     cost = res.cost

@@ -25,8 +25,9 @@ from rcr.skewing import (
     skew_from_grams,
 )
 from tests import tiny_models
+from tests.methods import Scale
 
-SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3, page_size=4)
+SMALL = Scale(rcr.RCRConfig(selected=8, window=8), candidates=32, tau0=0.3, page_size=4)
 
 
 def fake_store(valid: torch.Tensor, window: int) -> PrefixStore:
@@ -117,7 +118,7 @@ def test_arkvale_cuboid_mean_digest_matches_definition():
 def qwen():
     model, proc = tiny_models.qwen2_vl()
     inputs = tiny_models.batch_inputs(proc, [4, 20], image_size=224)
-    return model, inputs, rcr.prefill(model, inputs, SMALL)
+    return model, inputs, rcr.prefill(model, inputs, SMALL.config)
 
 
 def reference_page_cache(scores: list[list[float]], page_len: list[int], c: int, k: int) -> list[tuple]:
@@ -143,13 +144,13 @@ def test_arkvale_attends_its_top_pages_and_records_its_recalls_apart(qwen, rule)
     max(1, C // 2) must be resident. Either way the reads are S keys and S values per step (the cost model), and
     the recalls into the page cache, checked against the cache written out with sets, are recorded apart."""
     model, _, prefix = qwen
-    cfg = SMALL.replace(arkvale_rule=rule)
+    cfg = SMALL.replace(rule=rule)
     S, ps = cfg.selected, cfg.page_size
     C = S // ps
     c, k = (2 * C, C) if rule == "topk" else (C, max(1, C // 2))
     seen = []
 
-    class Probe(type(parse_method("arkvale", cfg))):
+    class Probe(type(cfg.method("arkvale"))):
         def decide(self, ctx):
             scores = self.page_scores(ctx)  # (B, Hkv, P)
             d = super().decide(ctx)
@@ -157,7 +158,7 @@ def test_arkvale_attends_its_top_pages_and_records_its_recalls_apart(qwen, rule)
             return d
 
     n = 12
-    r = rcr.decode(model, prefix, Probe(config=cfg), n, eos_token_id=[])
+    r = rcr.decode(model, prefix, Probe(config=cfg.config, page_size=ps, rule=rule), n, eos_token_id=[])
     tel = r.telemetry
     assert (tel.trigger == 1).all() and (tel.keys_read == S).all() and (tel.values_read == S).all()
     layout = PageLayout.build(prefix, ps)
@@ -192,7 +193,7 @@ def test_quest_arkvale_and_infinigen_read_what_the_rcr_paper_charges(qwen):
     model, inputs, _ = qwen
     cfg = rcr.RCRConfig(window=8)
     res = rcr.generate(model, inputs, method=["quest", "arkvale", "infinigen"], max_new_tokens=4, config=cfg,
-                       ignore_eos=True)
+                       ignore_eos=True)  # their own page size and columns: the paper's
     for label, r in res.items():
         assert int(r.prefix_len.min()) > cfg.selected
         for b in range(2):
@@ -234,7 +235,7 @@ def test_infinigen_speculation_uses_the_modules_own_projection(family):
     Qwen3's q_norm, M-RoPE), and the speculated query of layer l is built from layer l-1's input."""
     model, proc = tiny_models.FAMILIES[family]()
     inputs = tiny_models.batch_inputs(proc, [4, 9], image_size=112)
-    prefix = rcr.prefill(model, inputs, SMALL)
+    prefix = rcr.prefill(model, inputs, SMALL.config)
     checked = []
 
     class Probe(InfiniGen):
@@ -249,7 +250,7 @@ def test_infinigen_speculation_uses_the_modules_own_projection(family):
             checked.append(ctx.layer)
             return super().decide(ctx)
 
-    m = Probe(config=SMALL)
+    m = Probe(config=SMALL.config)
     rcr.decode(model, prefix, m, 3, eos_token_id=[])
     # sliding-window layers make no decision
     assert len(checked) == 2 * sum(geometry(model).reselected(inputs["input_ids"].shape[1] + 2))
@@ -273,34 +274,32 @@ def test_infinigen_calibration_file_round_trip_and_use(qwen, tmp_path):
     s2, _, meta = load_calibration(str(tmp_path))
     assert meta["command"] == "test" and all(torch.equal(a, b) for a, b in zip(skews, s2))
     # q.k invariance on the model's real post-RoPE prefix keys and window queries
-    prefix = rcr.prefill(model, inputs, SMALL)
+    prefix = rcr.prefill(model, inputs, SMALL.config)
     k = prefix.layers[1].keys[0, 0].float()
     q = prefix.layers[1].window_queries[0, :2].float().reshape(-1, k.shape[-1])
     a = s2[1][0]
     torch.testing.assert_close((q @ a) @ (k @ a).T, q @ k.T, rtol=1e-4, atol=1e-4)
-    cfg = SMALL.replace(infinigen_calibration=str(tmp_path))
-    r = rcr.generate(model, inputs, method=["infinigen"], max_new_tokens=4, config=cfg, ignore_eos=True)
+    r = rcr.generate(model, inputs, method=[SMALL.replace(calibration=str(tmp_path)).method("infinigen")],
+                     max_new_tokens=4, ignore_eos=True)
     assert r["infinigen"].cost["calibration"] == str(tmp_path)  # no description in its meta: the path
     assert r["infinigen"].cost["calibration_sha256"] == meta["sha256"] == calibration_digest(str(tmp_path))
     for value in (None, "per_sample"):  # per sample: each sample's own prefill, no file
-        r = rcr.generate(model, inputs, method=["infinigen"], max_new_tokens=4, ignore_eos=True,
-                         config=SMALL.replace(infinigen_calibration=value))
+        r = rcr.generate(model, inputs, method=[SMALL.replace(calibration=value).method("infinigen")],
+                         max_new_tokens=4, ignore_eos=True)
         assert r["infinigen"].cost["calibration"] == "per_sample" and r["infinigen"].cost["calibration_sha256"] is None
-    big = rcr.RCRConfig(selected=4096, candidates=4096, window=8, infinigen_calibration=str(tmp_path))
-    r = rcr.generate(model, inputs, method=["full", "infinigen"], max_new_tokens=6, config=big, ignore_eos=True)
+    big = Scale(rcr.RCRConfig(selected=4096, window=8), candidates=4096, calibration=str(tmp_path))
+    r = rcr.generate(model, inputs, method=big.methods(["full", "infinigen"]), max_new_tokens=6, ignore_eos=True)
     assert torch.equal(r["full"].sequences, r["infinigen"].sequences)
-    with pytest.raises(rcr.ConfigError, match="infinigen_calibration"):
-        rcr.generate(model, inputs, method="infinigen", max_new_tokens=2,
-                     config=SMALL.replace(infinigen_calibration=str(tmp_path / "nothing")))
+    with pytest.raises(rcr.ConfigError, match="infinigen.calibration"):
+        rcr.generate(model, inputs, method=f"infinigen@calibration={tmp_path / 'nothing'}", max_new_tokens=2)
 
 
 def test_infinigen_layer0_rules(qwen):
     model, _, prefix = qwen
-    r = rcr.decode(model, prefix, parse_method("infinigen", SMALL.replace(infinigen_layer0="static")), 5,
-                   eos_token_id=[])
+    r = rcr.decode(model, prefix, SMALL.replace(layer0="static").method("infinigen"), 5, eos_token_id=[])
     assert (r.telemetry.trigger[:, 0] == 0).all() and (r.telemetry.keys_read[:, 0] == 0).all()
     assert (r.telemetry.trigger[:, 1:] == 1).all()
-    r = rcr.decode(model, prefix, parse_method("infinigen", SMALL), 5, eos_token_id=[])
+    r = rcr.decode(model, prefix, SMALL.method("infinigen"), 5, eos_token_id=[])
     assert (r.telemetry.trigger == 1).all()
     np.testing.assert_allclose(r.telemetry.detector_dots[0], prefix.prefix_valid[0].sum().item() * 8 / 32)
 
@@ -324,7 +323,7 @@ def test_scorer_base_turns_any_score_into_a_top_s_refresh_and_counts_its_reads(q
     """The ScorerMethod base owns the decision: every layer-step, the top S of the method's score, merged
     under an all-true trigger and counted as S key + S value reads; no score means no refresh and no reads."""
     model, _, prefix = qwen
-    m = Latest(config=SMALL)
+    m = Latest(config=SMALL.config)
     initial = [layer.selection.clone() for layer in build_cache(m, prefix, 5).layers]
     dec = rcr.Decoder(model, prefix, m, max_new_tokens=5, eos_token_id=[])
     dec.run()
@@ -345,9 +344,9 @@ def test_scorer_base_turns_any_score_into_a_top_s_refresh_and_counts_its_reads(q
 
 def test_rcr_layer_has_one_tau_per_layer_updated_by_its_own_refreshes(qwen):
     model, _, prefix = qwen
-    probe = rcr.decode(model, prefix, parse_method("rcr", SMALL), 12, eos_token_id=[]).telemetry.drift
+    probe = rcr.decode(model, prefix, SMALL.method("rcr"), 12, eos_token_id=[]).telemetry.drift
     cfg = SMALL.replace(tau0=float(np.median(probe)))  # this sample's drift scale: some layer-steps fire
-    r = rcr.decode(model, prefix, parse_method("rcr_layer", cfg), 12, eos_token_id=[])
+    r = rcr.decode(model, prefix, cfg.method("rcr_layer"), 12, eos_token_id=[])
     tau, trig = r.telemetry.tau, r.telemetry.trigger  # (B, L, T)
     assert 0 < trig.mean() < 1
     np.testing.assert_allclose(tau[:, :, 0], cfg.tau0, rtol=1e-6)
@@ -358,14 +357,15 @@ def test_rcr_layer_has_one_tau_per_layer_updated_by_its_own_refreshes(qwen):
 
 # ------------------------------------------------------------------------------------------------ config
 
-@pytest.mark.parametrize("field,value", [
-    ("page_size", 0), ("quest_reduction", "sum"), ("arkvale_rule", "lru"), ("arkvale_groups", "all"),
-    ("infinigen_partial_ratio", 0.0), ("infinigen_partial_ratio", 1.5), ("infinigen_layer0", "skip"),
-    ("infinigen_calibration", ""), ("offload", "yes"),
+@pytest.mark.parametrize("method,knob,value", [
+    ("quest", "page_size", 0), ("arkvale", "page_size", -1), ("quest", "reduction", "sum"), ("arkvale", "rule", "lru"),
+    ("arkvale", "groups", "all"), ("infinigen", "partial_ratio", 0.0), ("infinigen", "partial_ratio", 1.5),
+    ("infinigen", "layer0", "skip"), ("infinigen", "calibration", ""), ("prefill_oracle", "pool", "yes"),
 ])
-def test_new_config_fields_are_validated(field, value):
-    with pytest.raises(rcr.ConfigError, match=field):
-        rcr.RCRConfig(**{field: value})
+def test_the_page_and_speculation_knobs_are_validated(method, knob, value):
+    with pytest.raises(rcr.ConfigError) as e:
+        rcr.METHODS[method](**{knob: value})
+    assert e.value.field == f"{method}.{knob}"
 
 
 def test_new_methods_are_registered():
@@ -401,7 +401,7 @@ def test_offline_calibration_on_a_prompt_is_its_per_sample_calibration():
     from rcr.skewing import n_partial, partial_columns, skew_from_grams
 
     model, proc = tiny_models.qwen2_vl()
-    cfg = rcr.RCRConfig(selected=4, window=32, candidates=8)
+    cfg = rcr.RCRConfig(selected=4, window=32)
     inputs = tiny_models.batch_inputs(proc, [40])
     skews, cols, stats = calibrate(model, [inputs], 0.25, window=cfg.window)
     assert stats["query_window"] == cfg.window

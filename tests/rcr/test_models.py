@@ -64,7 +64,7 @@ def test_a_local_first_layer_loads_quietly_and_attends_within_its_window(tmp_pat
 def test_a_local_first_layer_decodes_as_transformers_with_every_entry_selected(tmp_path):
     model, proc = load(str(_local_first_layer(tmp_path)))
     inputs = tiny_models.batch_inputs(proc, [3, 30, 12])
-    res = rcr.generate(model, inputs, method=["full", "exact", "rcr"], max_new_tokens=N_NEW, config=BIG,
+    res = rcr.generate(model, inputs, method=BIG.methods(["full", "exact", "rcr"]), max_new_tokens=N_NEW,
                        ignore_eos=True)
     ref = hf_greedy(model, inputs, N_NEW)
     for label, r in res.items():
@@ -80,8 +80,8 @@ def test_build_inputs_without_images_decodes_as_transformers():
         prompts = [tiny_models.random_prompt(0, 3), tiny_models.random_prompt(1, 30)]
         inputs = build_inputs(proc, prompts, [[], []])
         assert "pixel_values" not in inputs and not inputs["attention_mask"].bool().all()
-        res = rcr.generate(model, inputs, method=["full", "rcr"], max_new_tokens=N_NEW,
-                           config=BIG.replace(window=6), ignore_eos=True)
+        res = rcr.generate(model, inputs, method=BIG.replace(window=6).methods(["full", "rcr"]), max_new_tokens=N_NEW,
+                           ignore_eos=True)
         ref = hf_greedy(model, inputs, N_NEW)
         for label, r in res.items():
             assert torch.equal(r.sequences, ref), (make.__name__, label)

@@ -7,11 +7,11 @@ import torch
 
 import rcr
 from pipeline.schema import telemetry_summary
-from rcr.methods import parse_method
 from rcr.offload import HostReader
 from tests import tiny_models
+from tests.methods import Scale
 
-SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
+SMALL = Scale(rcr.RCRConfig(selected=8, window=8), candidates=32, tau0=0.3)
 OFFLOAD_METHODS = ["rcr", "fixed", "rcr_layer"]
 
 
@@ -19,17 +19,17 @@ OFFLOAD_METHODS = ["rcr", "fixed", "rcr_layer"]
 def qwen():
     model, proc = tiny_models.qwen2_vl()
     inputs = tiny_models.batch_inputs(proc, [4, 20], image_size=224)  # left padded
-    prefix = rcr.prefill(model, inputs, SMALL)
-    probe = rcr.decode(model, prefix, parse_method("rcr", SMALL), 8, eos_token_id=[]).telemetry.drift
+    prefix = rcr.prefill(model, inputs, SMALL.config)
+    probe = rcr.decode(model, prefix, SMALL.method("rcr"), 8, eos_token_id=[]).telemetry.drift
     return model, inputs, prefix, float(np.median(probe))
 
 
 @pytest.mark.parametrize("signal", ["layer", "heads"])
 def test_offload_and_resident_modes_give_identical_outputs(qwen, signal):
     model, inputs, _, tau0 = qwen
-    cfg = SMALL.replace(tau0=tau0, fixed_tau=tau0, controller_signal=signal)
-    res = rcr.generate(model, inputs, method=OFFLOAD_METHODS, max_new_tokens=14, config=cfg, ignore_eos=True)
-    off = rcr.generate(model, inputs, method=OFFLOAD_METHODS, max_new_tokens=14, config=cfg.replace(offload=True),
+    cfg = SMALL.replace(tau0=tau0, tau=tau0, controller_signal=signal)
+    res = rcr.generate(model, inputs, method=cfg.methods(OFFLOAD_METHODS), max_new_tokens=14, ignore_eos=True)
+    off = rcr.generate(model, inputs, method=cfg.replace(offload=True).methods(OFFLOAD_METHODS), max_new_tokens=14,
                        ignore_eos=True)
     d, elt = 32, 4  # head dim, fp32
     H = 2  # KV heads
@@ -63,7 +63,7 @@ def test_offload_reads_only_the_rows_that_fired(qwen, monkeypatch):
         return out
 
     monkeypatch.setattr(HostReader, "gather", spy)
-    m = parse_method("rcr", cfg)
+    m = cfg.method("rcr")
     decide = m.decide
 
     def rec(ctx):
@@ -90,7 +90,7 @@ def test_offload_reads_only_the_rows_that_fired(qwen, monkeypatch):
 def test_offload_applies_to_drift_methods_only(qwen):
     model, inputs, prefix, _ = qwen
     cfg = SMALL.replace(offload=True)
-    out = rcr.generate(model, inputs, method=["full", "exact", "quest", "rcr"], max_new_tokens=4, config=cfg,
+    out = rcr.generate(model, inputs, method=cfg.methods(["full", "exact", "quest", "rcr"]), max_new_tokens=4,
                        ignore_eos=True)
     assert out["rcr"].offload and not out["exact"].offload and not out["quest"].offload
     host = prefix.to_host()
@@ -102,13 +102,13 @@ def test_offload_equals_resident_and_full_on_every_family(family):
     """Per family: offload == resident at a small budget, and == full with a budget over the prefix."""
     name, model, proc = family
     inputs = tiny_models.batch_inputs(proc, [3, 12])
-    small = rcr.RCRConfig(selected=4, window=4, candidates=8, tau0=0.05)
-    a = rcr.generate(model, inputs, method=["rcr"], max_new_tokens=8, config=small, ignore_eos=True)["rcr"]
-    b = rcr.generate(model, inputs, method=["rcr"], max_new_tokens=8, config=small.replace(offload=True),
+    small = Scale(rcr.RCRConfig(selected=4, window=4), candidates=8, tau0=0.05)
+    a = rcr.generate(model, inputs, method=small.methods(["rcr"]), max_new_tokens=8, ignore_eos=True)["rcr"]
+    b = rcr.generate(model, inputs, method=small.replace(offload=True).methods(["rcr"]), max_new_tokens=8,
                      ignore_eos=True)["rcr"]
     assert b.offload and torch.equal(a.sequences, b.sequences), name
-    big = rcr.RCRConfig(selected=4096, candidates=4096, window=8, offload=True)
-    r = rcr.generate(model, inputs, method=["full", "rcr", "rcr_layer"], max_new_tokens=8, config=big,
+    big = Scale(rcr.RCRConfig(selected=4096, window=8, offload=True), candidates=4096)
+    r = rcr.generate(model, inputs, method=big.methods(["full", "rcr", "rcr_layer"]), max_new_tokens=8,
                      ignore_eos=True)
     assert torch.equal(r["rcr"].sequences, r["full"].sequences), name
     assert torch.equal(r["rcr_layer"].sequences, r["full"].sequences), name

@@ -15,10 +15,11 @@ from rcr.generate import build_cache
 from rcr.methods import RCR, parse_method
 from rcr.methods.exact import Exact
 from tests import tiny_models
+from tests.methods import Scale
 
 # Every method test runs over the registry: a method added to it is covered automatically.
 ALL_METHODS = list(rcr.METHODS)
-SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
+SMALL = Scale(rcr.RCRConfig(selected=8, window=8), candidates=32, tau0=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def qwen_prefix():
     """A left-padded batch of 2 on the tiny Qwen2-VL with 64 visual tokens per image."""
     model, proc = tiny_models.qwen2_vl()
     inputs = tiny_models.batch_inputs(proc, [4, 20], image_size=224)
-    return model, inputs, rcr.prefill(model, inputs, SMALL)
+    return model, inputs, rcr.prefill(model, inputs, SMALL.config)
 
 
 @dataclass
@@ -51,8 +52,8 @@ class BranchingRCR(RCR):
 def test_masked_merge_equals_python_branching_reference(qwen_prefix):
     model, inputs, prefix = qwen_prefix
     n = 24
-    ref = rcr.decode(model, prefix, BranchingRCR(config=SMALL), n, eos_token_id=[])
-    got = rcr.generate(model, inputs, method="rcr", max_new_tokens=n, config=SMALL, ignore_eos=True)
+    ref = rcr.decode(model, prefix, BranchingRCR(config=SMALL.config, candidates=32, tau0=0.3), n, eos_token_id=[])
+    got = rcr.generate(model, inputs, method=SMALL.method("rcr"), max_new_tokens=n, ignore_eos=True)
     trig = got.telemetry.trigger
     assert 0.05 < trig.mean() < 0.95, "the sample must trigger at some layer-steps and not at others"
     assert torch.equal(got.sequences, ref.sequences)
@@ -86,7 +87,7 @@ class CheckingRCR(RCR):
 
 def test_refresh_rewrites_only_selected_slots(qwen_prefix):
     model, _, prefix = qwen_prefix
-    m = CheckingRCR(config=SMALL)
+    m = CheckingRCR(config=SMALL.config, candidates=32, tau0=0.3)
     rcr.decode(model, prefix, m, 12, eos_token_id=[])
     assert m.refreshes > 0
 
@@ -114,11 +115,11 @@ def test_exact_selects_the_top_entries_of_the_current_attention(qwen_prefix, nor
     prefix, window and generated tokens; ``scored``: over the valid prefix), averaged over the query heads that share
     the KV head (the default head_reduction, mean_prob)."""
     model, _, prefix = qwen_prefix
-    m = RecordingExact(config=SMALL.replace(prob_norm=norm))
+    m = RecordingExact(config=SMALL.config.replace(prob_norm=norm))
     rcr.decode(model, prefix, m, 6, eos_token_id=[])
     assert len(m.seen) == 5 * len(prefix.layers)  # the first of the 6 tokens comes from the prefill
     valid = prefix.prefix_valid.cpu().numpy()  # (B, Np)
-    S = SMALL.selected
+    S = SMALL.config.selected
     for layer, q, sel, rest, rest_valid in m.seen:
         k = prefix.prefix_kv(layer)[0].double().cpu().numpy()  # (B, Hkv, Np, d)
         B, Hkv, Np, d = k.shape
@@ -159,12 +160,13 @@ def test_rate_controller_tracks_quantile():
 def test_rcr_tau_follows_controller_in_layer_order(qwen_prefix):
     """tau is one value per sample, carried layer to layer and step to step."""
     model, _, prefix = qwen_prefix
-    r = rcr.decode(model, prefix, parse_method("rcr", SMALL), 10, eos_token_id=[])
+    rcr_ = SMALL.method("rcr")
+    r = rcr.decode(model, prefix, rcr_, 10, eos_token_id=[])
     tau = r.telemetry.tau[0].T.ravel()  # (steps * layers) in execution order
     trig = r.telemetry.trigger[0].T.ravel()
-    expect = tau[:-1] * np.exp(SMALL.step * (trig[:-1] - SMALL.rho))
+    expect = tau[:-1] * np.exp(rcr_.step * (trig[:-1] - rcr_.rho))
     np.testing.assert_allclose(tau[1:], expect, rtol=1e-5)
-    assert tau[0] == pytest.approx(SMALL.tau0)
+    assert tau[0] == pytest.approx(rcr_.tau0)
 
 
 def test_counters_and_detector_storage():
@@ -173,9 +175,8 @@ def test_counters_and_detector_storage():
     cfg = rcr.RCRConfig()  # paper sizes: 32 selected, 32 window, 128 candidates, rank 8
     prefix = rcr.prefill(model, inputs, cfg)
     probe = rcr.decode(model, prefix, parse_method("rcr", cfg), 8, eos_token_id=[])
-    cfg = cfg.replace(tau0=float(np.median(probe.telemetry.drift)))  # start at this sample's drift scale
     assert prefix.n_prefix > 128
-    method = parse_method("rcr", cfg)
+    method = RCR(config=cfg, tau0=float(np.median(probe.telemetry.drift)))  # start at this sample's drift scale
     state = method.init_state(prefix)
     for det in state.detectors:  # detector storage: Np x rank per KV head (plus the d x rank basis)
         assert det.projected.shape == (1, prefix.n_kv_heads, prefix.n_prefix, 8)
@@ -191,7 +192,7 @@ def test_counters_and_detector_storage():
 
 def test_estimated_drift_tracks_exact_drift(qwen_prefix):
     model, _, prefix = qwen_prefix
-    r = rcr.decode(model, prefix, parse_method("rcr", SMALL.replace(exact_drift=True)), 24, eos_token_id=[])
+    r = rcr.decode(model, prefix, SMALL.replace(exact_drift=True).method("rcr"), 24, eos_token_id=[])
     est, exact = r.telemetry.drift.ravel(), r.telemetry.drift_exact.ravel()
     assert np.isfinite(est).all() and np.isfinite(exact).all()
     assert spearmanr(est, exact).statistic >= 0.8
@@ -254,12 +255,12 @@ def test_bacon_selection_of_a_sample_does_not_depend_on_its_batch():
     model, proc = tiny_models.qwen2_vl()
     words = [3, 30, 12]
     batch = tiny_models.batch_inputs(proc, words, image_size=224)
-    pb = rcr.prefill(model, batch, SMALL)
-    sel_b = build_cache(parse_method("bacon", SMALL), pb, 1)
+    pb = rcr.prefill(model, batch, SMALL.config)
+    sel_b = build_cache(SMALL.method("bacon"), pb, 1)
     for i, nw in enumerate(words):
         alone = tiny_models.batch_inputs(proc, [nw], image_size=224, seed=i)
-        pa = rcr.prefill(model, alone, SMALL)
-        sel_a = build_cache(parse_method("bacon", SMALL), pa, 1)
+        pa = rcr.prefill(model, alone, SMALL.config)
+        sel_a = build_cache(SMALL.method("bacon"), pa, 1)
         pad = int(pb.pad[i])
         for lb, la in zip(sel_b.layers, sel_a.layers):
             assert torch.equal(lb.selection[i] - pad, la.selection[0])
@@ -268,13 +269,49 @@ def test_bacon_selection_of_a_sample_does_not_depend_on_its_batch():
 # ------------------------------------------------------------------------------------- config validation
 
 @pytest.mark.parametrize("field,value", [
-    ("rho", 0.0), ("rho", 1.0), ("rho", 1.5), ("selected", -1), ("window", -2), ("candidates", 16),
-    ("rank", 0), ("tau0", 0.0), ("step", -0.1), ("bacon_kernel", 4), ("controller_signal", "mean"),
-    ("head_reduction", "sum"), ("kept_logits", "exact_all"), ("prob_norm", "prefix"),
+    ("selected", -1), ("window", -2), ("bacon_kernel", 4), ("head_reduction", "sum"), ("prob_norm", "prefix"),
+    ("eos_check_every", 0), ("offload", "yes"),
 ])
 def test_bad_config_names_the_field(field, value):
-    with pytest.raises(rcr.ConfigError, match=field):
+    with pytest.raises(rcr.ConfigError) as e:
         rcr.RCRConfig(**{field: value})
+    assert e.value.field == f"RCRConfig.{field}" and f"field 'RCRConfig.{field}'" in str(e.value)
+
+
+@pytest.mark.parametrize("label,field", [
+    ("rcr@rho=0.0", "rcr.rho"), ("rcr@rho=1.0", "rcr.rho"), ("rcr_layer@rho=1.5", "rcr_layer.rho"),
+    ("rcr@candidates=16", "rcr.candidates"), ("fixed@rank=0", "fixed.rank"), ("rcr@tau0=0.0", "rcr.tau0"),
+    ("rcr@step=-0.1", "rcr.step"), ("fixed@controller_signal=mean", "fixed.controller_signal"),
+    ("rcr@kept_logits=exact_all", "rcr.kept_logits"), ("fixed@-0.1", "fixed.tau"),
+])
+def test_bad_knob_names_the_method_and_field(label, field):
+    """A method's own knob is checked by the method, and the error names ``<method>.<knob>``."""
+    with pytest.raises(rcr.ConfigError) as e:
+        parse_method(label)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("label,says", [
+    ("rcr@nope=1", "rcr has no field 'nope'; its fields: candidates"), ("fixed@x", "fixed.tau must be float"),
+    ("quest@0.5", "expected FIELD=VALUE"), ("rcr@", "nothing after '@'"), ("rcr@rho=0.3,rho=0.2", "given twice"),
+    ("nosuch@rho=1", "unknown method"),
+])
+def test_a_bad_label_is_one_line_naming_it(label, says):
+    with pytest.raises(rcr.ConfigError) as e:
+        parse_method(label)
+    assert e.value.field == "method" and label in str(e.value) and says in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_label_sets_its_methods_knobs_and_nothing_else():
+    m = parse_method("rcr@rho=0.3,step=0.1,kept_logits=approx,controller_signal=heads")
+    assert (m.rho, m.step, m.kept_logits, m.controller_signal, m.label) == (
+        0.3, 0.1, "approx", "heads", "rcr@rho=0.3,step=0.1,kept_logits=approx,controller_signal=heads")
+    assert (m.tau0, m.candidates, m.rank) == (0.03, 128, 8)  # the paper's defaults
+    assert parse_method("fixed@0.05").tau == parse_method("fixed@tau=0.05").tau == 0.05
+    assert parse_method("infinigen@calibration=none").calibration is None
+    assert parse_method("prefill_oracle@pool=true").pool is True
+    assert parse_method("rcr@rho=0.3", rcr.RCRConfig(selected=16)).config.selected == 16
 
 
 def test_compile_field_is_validated():
@@ -292,7 +329,7 @@ def test_unknown_method_and_rank_over_head_dim_fail_before_model_work(monkeypatc
     with pytest.raises(rcr.ConfigError, match="nosuch"):
         rcr.generate(model, inputs, method=["rcr", "nosuch"])
     with pytest.raises(rcr.ConfigError, match="rank"):
-        rcr.generate(model, inputs, method="rcr", config=rcr.RCRConfig(rank=64))  # head_dim is 32
+        rcr.generate(model, inputs, method="rcr@rank=64")  # head_dim is 32
     with pytest.raises(rcr.ConfigError, match="fixed@x"):
         rcr.generate(model, inputs, method="fixed@x")
     assert not calls
@@ -306,18 +343,18 @@ def test_one_prefill_serves_every_method_and_no_method_alters_the_prefix_store()
     vision_calls = []
     handle = model.model.visual.register_forward_hook(lambda *a: vision_calls.append(1))
     try:
-        res = rcr.generate(model, inputs, method=ALL_METHODS, max_new_tokens=6, config=SMALL, ignore_eos=True)
+        res = rcr.generate(model, inputs, method=SMALL.methods(ALL_METHODS), max_new_tokens=6, ignore_eos=True)
     finally:
         handle.remove()
     assert len(vision_calls) == 1, "the vision tower must run once for all methods"
     assert set(res) == set(ALL_METHODS)
 
-    prefix = rcr.prefill(model, inputs, SMALL)
+    prefix = rcr.prefill(model, inputs, SMALL.config)
     snap = [(pl.keys.clone(), pl.values.clone(), pl.window_queries.clone()) for pl in prefix.layers]
-    full = rcr.decode(model, prefix, parse_method("full", SMALL), 6, eos_token_id=[])
+    full = rcr.decode(model, prefix, SMALL.method("full"), 6, eos_token_id=[])
     ref = rcr.answer_attention_scores(model, prefix, full)
     for label in ALL_METHODS:
-        rcr.decode(model, prefix, parse_method(label, SMALL), 6, eos_token_id=[], reference_scores=ref)
+        rcr.decode(model, prefix, SMALL.method(label), 6, eos_token_id=[], reference_scores=ref)
     for (k, v, q), pl in zip(snap, prefix.layers):
         assert torch.equal(k, pl.keys) and torch.equal(v, pl.values) and torch.equal(q, pl.window_queries)
 
@@ -325,7 +362,7 @@ def test_one_prefill_serves_every_method_and_no_method_alters_the_prefix_store()
 def test_record_attention_gives_most_attended_position_on_full_only(qwen_prefix):
     model, inputs, _ = qwen_prefix
     cfg = SMALL.replace(record_attention=True)
-    res = rcr.generate(model, inputs, method=["full", "rcr"], max_new_tokens=6, config=cfg, ignore_eos=True)
+    res = rcr.generate(model, inputs, method=cfg.methods(["full", "rcr"]), max_new_tokens=6, ignore_eos=True)
     assert res["rcr"].telemetry.top_prefix_pos is None
     pos = res["full"].telemetry.top_prefix_pos  # (B, L, T), in each sample's own coordinates
     for b in range(pos.shape[0]):

@@ -19,11 +19,13 @@ import torch
 
 import rcr
 import rcr.fused
-from rcr.methods import Decision, parse_method
+from rcr.methods import Decision
+from rcr.methods.knobs import knob_fields
 from tests import tiny_models
+from tests.methods import Scale
 
 NEG_INF = float("-inf")
-SMALL = rcr.RCRConfig(selected=8, window=8, candidates=32, tau0=0.3)
+SMALL = Scale(rcr.RCRConfig(selected=8, window=8), candidates=32, tau0=0.3)
 
 
 # ------------------------------------------------------------------------ frozen reference implementation
@@ -77,12 +79,12 @@ def reference_decide(method, ctx) -> Decision:
     drift_h = torch.sigmoid(lse_ev - lse_res).mean(-1)
     drift = drift_h.mean(-1)
     tau = method.current_tau(st, ctx.layer).clone()  # (the update is in place now; the values are the same)
-    trigger = drift_h > tau.unsqueeze(-1) if cfg.controller_signal == "heads" else drift > tau
+    trigger = drift_h > tau.unsqueeze(-1) if method.controller_signal == "heads" else drift > tau
     f = trigger.float().mean(-1) if trigger.dim() == 2 else trigger.float()
     method.update_tau(st, ctx.layer, f)
-    n_cand = min(cfg.candidates, p.n_prefix)
+    n_cand = min(method.candidates, p.n_prefix)
     ranked = approx.clone()  # kept entries by their exact logits (the resident slots [0, S)), evicted approximate
-    if cfg.kept_logits == "exact":
+    if method.kept_logits == "exact":
         S = res.n_selected
         ranked.scatter_(3, res.selection.unsqueeze(2).expand(B, p.n_kv_heads, Hq // p.n_kv_heads, S), lg_res[..., :S])
     norm = torch.logaddexp(lse_res, lse_ev) if cfg.prob_norm == "context" else None  # the context's normaliser
@@ -110,9 +112,14 @@ def reference_refresh(res, trigger, selection, keys, values) -> None:
 
 # ------------------------------------------------------------------------------------------------- tests
 
-def twin(label, config):
+def knobs_of(m) -> dict:
+    return {f.name: getattr(m, f.name) for f in knob_fields(type(m)).values()}
+
+
+def twin(label, scale):
     """The method of ``label`` whose every decision is checked against the reference on the same state."""
-    base = type(parse_method(label, config))
+    made = scale.method(label)
+    base = type(made)
 
     @dataclass
     class Twin(base):
@@ -143,7 +150,7 @@ def twin(label, config):
             self.fired += int(got.trigger.sum())
             return got
 
-    return Twin(config=config, label=label)
+    return Twin(config=made.config, label=label, **knobs_of(made))
 
 
 @dataclass
@@ -163,11 +170,11 @@ def prefixes():
     assert not padded["attention_mask"].bool().all() and single["attention_mask"].bool().all()
     out = {}
     for name, inputs in (("padded", padded), ("unpadded", single)):
-        prefix = rcr.prefill(model, inputs, SMALL)
-        probe = rcr.decode(model, prefix, parse_method("rcr", SMALL), 8, eos_token_id=[])
+        prefix = rcr.prefill(model, inputs, SMALL.config)
+        probe = rcr.decode(model, prefix, SMALL.method("rcr"), 8, eos_token_id=[])
         # thresholds start at this batch's median drift, so that triggers fire at some layer-steps and not at others
         med = float(np.median(probe.telemetry.drift))
-        out[name] = (prefix, SMALL.replace(fixed_tau=med, tau0=med))
+        out[name] = (prefix, SMALL.replace(tau=med, tau0=med))
     return model, out
 
 
@@ -190,11 +197,11 @@ def test_every_decision_equals_the_reference(prefixes, batch, label, variant):
 @pytest.mark.parametrize("label", ["rcr", "fixed", "rcr_layer"])
 def test_decode_equals_the_reference_decode(prefixes, batch, label):
     model, (prefix, cfg) = prefixes[0], prefixes[1][batch]
-    base = type(parse_method(label, cfg))
-    ref_cls = dataclass(type("Reference", (ReferenceMixin, base), {}))
+    made = cfg.method(label)
+    ref_cls = dataclass(type("Reference", (ReferenceMixin, type(made)), {}))
     n = 20
-    got_dec = rcr.Decoder(model, prefix, parse_method(label, cfg), n, eos_token_id=[])
-    ref_dec = rcr.Decoder(model, prefix, ref_cls(config=cfg, label=label), n, eos_token_id=[])
+    got_dec = rcr.Decoder(model, prefix, made, n, eos_token_id=[])
+    ref_dec = rcr.Decoder(model, prefix, ref_cls(config=made.config, label=label, **knobs_of(made)), n, eos_token_id=[])
     assert all(layer.fused_merge is rcr.fused.available() for layer in got_dec.cache.layers)  # rcr::merge_rows
     for dec in (got_dec, ref_dec):
         dec.run()

@@ -19,8 +19,9 @@ import torch
 import rcr
 import rcr.fused
 from rcr.cache import PrefixLayer, PrefixStore, ResidentLayer
-from rcr.methods import StepContext, parse_method
+from rcr.methods import StepContext
 from rcr.offload import HostReader
+from tests.methods import Scale
 
 NEG_INF = float("-inf")
 HKV, G, D, RANK, W, S, C, N_PREFIX, N_LAYERS, LAYER = 2, 3, 16, 4, 4, 6, 16, 48, 2, 1
@@ -55,7 +56,7 @@ def detector_basis(keys, valid, rank):
     return vh[:rank].T.tolist()
 
 
-def reference_head(q_bh, keys, valid, sel, res, res_valid, cfg: rcr.RCRConfig) -> tuple[float, list]:
+def reference_head(q_bh, keys, valid, sel, res, res_valid, cfg: Scale) -> tuple[float, list]:
     """One KV head: its drift (the mean over its G query heads) and its new selection. q_bh (G, d) queries; keys
     (Np, d) prefix keys, valid (Np); sel (S) the kept entries, which the first S of the resident slots res hold."""
     basis = detector_basis(keys, valid, cfg.rank)
@@ -97,7 +98,7 @@ def reference_head(q_bh, keys, valid, sel, res, res_valid, cfg: rcr.RCRConfig) -
     return sum(drift_g) / len(drift_g), top(exact, len(sel))
 
 
-def reference_step(x: dict, cfg: rcr.RCRConfig, label: str, tau: list) -> dict:
+def reference_step(x: dict, cfg: Scale, label: str, tau: list) -> dict:
     """One layer-step of ``label`` (rcr, fixed, rcr_layer) for every sample b and KV head h of ``x`` (nested lists):
     q[b][h][g] (d); keys[b][h][n] (Np prefix keys, d); valid[b][n]; res[b][h][j] (resident slot keys: S kept entries,
     then window and generated); res_valid[b][h][j]; sel[b][h] (the S kept prefix entries, slot order). ``tau[b]``:
@@ -124,7 +125,7 @@ def reference_step(x: dict, cfg: rcr.RCRConfig, label: str, tau: list) -> dict:
     return out
 
 
-def reference_exact(x: dict, cfg: rcr.RCRConfig) -> list:
+def reference_exact(x: dict, cfg: Scale) -> list:
     """``exact``'s selection[b][h]: the top S prefix entries by each query head's exact probability under its whole
     context (prefix and the resident slots after the kept ones), or the softmax over the prefix (``scored``)."""
     out = []
@@ -197,11 +198,11 @@ def as_lists(prefix, res, query) -> dict:
 PATHS = ["torch", "decide_op", "kernel"]  # composed ops; rcr::decide; the torch path with rcr::detector_pass
 
 
-def fast_step(path: str, label: str, cfg: rcr.RCRConfig, prefix, sel, generated, query, tau: list):
+def fast_step(path: str, label: str, cfg: Scale, prefix, sel, generated, query, tau: list):
     """``label``'s decision at layer LAYER by ``path``, from thresholds ``tau`` (B,). Returns (decision, tau after)."""
     if path != "torch" and not rcr.fused.available():
         pytest.skip("the fused kernels could not be built here")
-    method = parse_method(label, cfg.replace(fused_kernel=path != "torch"))
+    method = cfg.replace(fused_kernel=path != "torch").method(label)
     store = prefix.to_host() if path == "kernel" else prefix
     res = resident(store, sel, generated, fused=path == "decide_op")
     state = method.init_state(prefix)
@@ -250,7 +251,7 @@ def check(path, label, cfg, state, want_fn=reference_step):
 ABLATIONS = {"paper": {}, "approx": {"kept_logits": "approx"}, "scored": {"prob_norm": "scored"},
              "both": {"kept_logits": "approx", "prob_norm": "scored"}, "max_logit": {"head_reduction": "max_logit"},
              "heads": {"controller_signal": "heads"}}
-CFG = rcr.RCRConfig(selected=S, window=W, candidates=C, rank=RANK)
+CFG = Scale(rcr.RCRConfig(selected=S, window=W), candidates=C, rank=RANK)
 
 
 # every variant for rcr; fixed and rcr_layer differ only in the threshold, so the default, the ablated ranking and
@@ -283,7 +284,7 @@ def test_a_kept_sink_outside_the_detector_basis_survives_a_refresh(label, batch,
     assert min(share) > 0.9
     basis = torch.tensor(detector_basis(x["keys"][0][0], x["valid"][0], RANK))
     assert basis[-1].abs().max() < 1e-9  # the sink's axis is outside the detector's basis
-    cfg = CFG.replace(tau0=1e-12, fixed_tau=0.0)  # every drift > 0 fires
+    cfg = CFG.replace(tau0=1e-12, tau=0.0)  # every drift > 0 fires
     got, _, _ = fast_step(path, label, cfg, prefix, sel, generated, query, [cfg.tau0] * prefix.batch_size)
     assert got.trigger.all()
     assert (got.selection == SINK).any(-1).all(), "the kept sink was evicted by the refresh"
@@ -300,8 +301,8 @@ def test_exact_selects_by_the_reference_probabilities(norm, batch):
     prefix, sel, generated, query = random_state(*batch, seed=3)
     cfg = CFG.replace(prob_norm=norm)
     res = resident(prefix, sel, generated, fused=False)
-    method = parse_method("exact", cfg)
+    method = cfg.method("exact")
     d = method.decide(StepContext(layer=LAYER, step=0, query=query, resident=res, prefix=prefix, state=None,
-                                  config=cfg))
+                                  config=cfg.config))
     assert torch.equal(d.selection, torch.tensor(reference_exact(as_lists(prefix, res, query), cfg)))
 

@@ -37,7 +37,24 @@ import torch
 from .fileio import atomic_write_bytes
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("detector_pass.cpp", "decide.cpp")  # compiled; detector_pass.h is included by both
+SOURCES = ("detector_pass.cpp", "decide.cpp")  # compiled; the headers are included by both
+HEADERS = ("detector_pass.h", "kernels.h")
+# ATen's vector width for each CPU capability (torch.backends.cpu.get_cpu_capability()): the build that matches the
+# CPU comes first, then the narrower ones, and the generic build (ATen's plain-array vectors) last, so that a compiler
+# without one of the flags still gives a working library
+BUILDS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX512",
+               "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "DEFAULT": ["-DCPU_CAPABILITY=DEFAULT"],
+}
+
+
+def builds_for(capability: str) -> list[str]:
+    """The builds to try, in order, on a CPU of ``capability``: its own where there is one, the narrower ones, the
+    generic."""
+    order = list(BUILDS)
+    return order[order.index(capability):] if capability in BUILDS else ["DEFAULT"]
 
 
 def _fake(qr, projected_t, selection, valid, kept, lse_res, scaling, mean_prob):
@@ -64,19 +81,13 @@ def _cpp_extension():
     return sys.modules["torch.utils.cpp_extension"]
 
 
-@functools.cache
-def _extension() -> None:
-    """Build (or find in the cache) and load the library, which registers the torch.ops.rcr ops.
+def _load(ext, flags: list[str]) -> None:
+    """Build (or find in the cache) and load the library with ``flags``, which registers the torch.ops.rcr ops.
 
     The library is named after a hash of its sources and flags, and built from a copy of the sources kept in its
     own build directory: two checkouts of the same source share one build instead of rebuilding each other's
     (ninja rebuilds when a source path changes), and an edited source gets a build of its own."""
-    ext = _cpp_extension()
-    cap = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
-    flags = ["-O3"]
-    if cap in ("AVX2", "AVX512"):  # ATen's 8-lane float vectors (its AVX2 build, as Inductor's CPU kernels use)
-        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    files = {f: (CSRC / f).read_bytes() for f in (*SOURCES, "detector_pass.h")}
+    files = {f: (CSRC / f).read_bytes() for f in (*SOURCES, *HEADERS)}
     digest = hashlib.sha256(b"".join(f.encode() + code for f, code in files.items()) + repr(flags).encode())
     name = f"rcr_ops_{digest.hexdigest()[:12]}"
     build = Path(ext._get_build_directory(name, False))
@@ -87,9 +98,30 @@ def _extension() -> None:
     if not (build / f"{name}.so").exists():
         print(f"rcr: building the fused CPU kernels (once per machine; about a minute) in {build}",
               file=sys.stderr, flush=True)
-    ext.load(name=name, sources=[str(build / f) for f in SOURCES], extra_cflags=flags, is_python_module=False,
-             with_cuda=False, verbose=False)
-    torch.library.register_fake("rcr::detector_pass")(_fake)
+    ext.load(name=name, sources=[str(build / f) for f in SOURCES], extra_cflags=["-O3", *flags],
+             is_python_module=False, with_cuda=False, verbose=False)
+
+
+@functools.cache
+def _extension() -> str:
+    """Load the library built for this CPU (``builds_for``), falling back to a narrower build where one fails to
+    compile; -> the build's name (a key of BUILDS)."""
+    ext = _cpp_extension()
+    errors = []
+    for cap in builds_for(torch.backends.cpu.get_cpu_capability()):
+        try:
+            _load(ext, BUILDS[cap])
+        except Exception as exc:  # noqa: BLE001 -- a compiler without this build's flags: the next one
+            errors.append(f"{cap}: {exc!s:.200}")
+            continue
+        torch.library.register_fake("rcr::detector_pass")(_fake)
+        return cap
+    raise RuntimeError("; ".join(errors))
+
+
+def build() -> str | None:
+    """The build of the loaded kernels (``AVX512``, ``AVX2`` or ``DEFAULT``), None where they could not be built."""
+    return _extension() if available() else None
 
 
 @functools.cache

@@ -49,6 +49,9 @@ class Decision:
     # (B,) entries per KV head (mean over KV heads) that a method with its own page cache recalled into it at
     # this layer-step (ArkVale): its own traffic, recorded beside the reads of the cost model, never instead
     recalled: torch.Tensor | None = None
+    # already merged into the resident layer, and recorded in ``StepContext.telemetry``, by the method (rcr::decide)
+    merged: bool = False
+    recorded: bool = False
 
 
 @dataclass
@@ -65,6 +68,8 @@ class StepContext:
     # how prefix entries reach the device (``rcr.offload``): a resident gather (GPU-only mode, the default) or
     # host-memory reads issued only where the trigger fired (offload mode)
     reader: Any = None
+    # the decode's Telemetry, for a method that records its decision itself (Decision.recorded); None: it does not
+    telemetry: Any = None
 
     def __post_init__(self):
         if self.reader is None:
@@ -128,7 +133,7 @@ class Method:
 
     # --- mechanics (not overridden by methods; tests may override ``merge`` with a branching reference) ---
     def merge(self, resident: ResidentLayer, decision: Decision) -> None:
-        if decision.selection is None:  # offload mode: no trigger fired, nothing was read
+        if decision.selection is None or decision.merged:  # offload mode: nothing fired, nothing read; or done
             return
         resident.refresh(decision.trigger, decision.selection, decision.keys, decision.values)
 

@@ -24,6 +24,7 @@ trigger and reads only the rows that fired, or nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -48,6 +49,7 @@ class RCR(Method):
     name = "rcr"
     reselects = True
     supports_offload = True
+    adapts_tau: ClassVar[bool] = True  # update_tau applies the rate controller's law (fixed: False)
 
     @property
     def controller(self) -> RateController:
@@ -79,13 +81,13 @@ class RCR(Method):
 
     def decide(self, ctx: StepContext) -> Decision:
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
+        kept_exact = cfg.kept_logits == "exact"
+        context = cfg.head_reduction == "mean_prob" and cfg.prob_norm == "context"
+        if st.fused and res.fused_merge and not ctx.reader.offload and not torch.compiler.is_compiling():
+            return self._decide_op(ctx, kept_exact, context)
         det = st.detectors[ctx.layer]
         qg = group_queries(ctx.query, p.n_kv_heads)  # (B, Hkv, G, d)
         padded = res.padded  # masks only where the batch has left padding: otherwise every entry is valid
-        kept_exact = cfg.kept_logits == "exact"
-        context = cfg.head_reduction == "mean_prob" and cfg.prob_norm == "context"
-        if st.fused and not ctx.reader.offload and not torch.compiler.is_compiling():
-            return self._decide_op(ctx, qg, kept_exact, context)
 
         # 1. estimated drift: exact on resident slots, approximate on evicted prefix entries. The resident slots'
         # exact logits also rank the kept entries (slots [0, S) hold the selection), and with lse_ev give each query
@@ -128,21 +130,23 @@ class RCR(Method):
         values = ctx.reader.gather(ctx.layer, ctx.step, "values", sel, rows)  # S value reads
         return Decision(selection=sel, keys=keys, values=values, **common)
 
-    def _decide_op(self, ctx: StepContext, qg: torch.Tensor, kept_exact: bool, context: bool) -> Decision:
-        """Steps 1-3 of ``decide`` as one op (rcr/csrc/decide.cpp): the same computation in plain loops, without the
-        ~100 torch calls; the candidates and the selection are still chosen by topk."""
+    def _decide_op(self, ctx: StepContext, kept_exact: bool, context: bool) -> Decision:
+        """The layer-step as one op (rcr/csrc/decide.cpp): steps 1-4 of ``decide`` in plain loops, without the ~100
+        torch calls, the candidates only for the rows that fired; the threshold update (``adapts_tau``: the
+        controller's law, by the torch path's ops), the merge into the resident layer and, with ``ctx.telemetry``,
+        the telemetry record are done in place. The selection of a row that did not fire is its current one."""
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
         det = st.detectors[ctx.layer]
-        tau = self.current_tau(st, ctx.layer).clone()
-        k_p, _ = p.prefix_kv(ctx.layer)
-        trigger, f, drift, sel = torch.ops.rcr.decide(
-            qg, det.basis, det.projected_t, res.resident_keys, res.resident_valid if res.slots_masked else None,
-            res.selection, p.prefix_valid if res.padded else None, k_p, tau, p.scaling,
-            cfg.head_reduction == "mean_prob", cfg.controller_signal == "heads", cfg.candidates, res.n_selected,
-            kept_exact, context)
-        self.update_tau(st, ctx.layer, f)
-        # keys and values None: the merge copies the selected rows from the prefix store
-        return Decision(selection=sel, trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots)
+        k_p, v_p = p.prefix_kv(ctx.layer)
+        tel = ctx.telemetry
+        trigger, drift, tau, sel = torch.ops.rcr.decide(
+            ctx.query, det.basis, det.projected_t, res.keys, res.values, res.slot_valid, res.selection, res.n_stored,
+            res.slots_masked, p.prefix_valid if res.padded else None, k_p, v_p, self.current_tau(st, ctx.layer),
+            self.adapts_tau, cfg.step, cfg.rho, p.scaling, cfg.head_reduction == "mean_prob",
+            cfg.controller_signal == "heads", cfg.candidates, kept_exact, context,
+            None if tel is None else tel.decisions, ctx.layer, ctx.step, st.detector_dots)
+        return Decision(selection=sel, trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots,
+                        merged=True, recorded=tel is not None)
 
     def cost_model(self, prefix, state) -> dict:
         return {"keys_per_refresh": min(self.config.candidates, prefix.n_prefix),
@@ -155,6 +159,7 @@ class Fixed(RCR):
     e.g. the sweep label ``fixed@0.05``)."""
 
     name = "fixed"
+    adapts_tau: ClassVar[bool] = False
     tau: float | None = None
 
     def initial_tau(self, prefix) -> torch.Tensor:

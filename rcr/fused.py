@@ -102,21 +102,26 @@ def _load(ext, flags: list[str]) -> None:
              is_python_module=False, with_cuda=False, verbose=False)
 
 
-@functools.cache
-def _extension() -> str:
-    """Load the library built for this CPU (``builds_for``), falling back to a narrower build where one fails to
-    compile; -> the build's name (a key of BUILDS)."""
-    ext = _cpp_extension()
+def load_first(ext, builds: list[str]) -> str:
+    """Load the first of ``builds`` (keys of BUILDS) that compiles; -> its name. Raises with every build's error
+    where none does."""
     errors = []
-    for cap in builds_for(torch.backends.cpu.get_cpu_capability()):
+    for cap in builds:
         try:
             _load(ext, BUILDS[cap])
         except Exception as exc:  # noqa: BLE001 -- a compiler without this build's flags: the next one
             errors.append(f"{cap}: {exc!s:.200}")
             continue
-        torch.library.register_fake("rcr::detector_pass")(_fake)
         return cap
     raise RuntimeError("; ".join(errors))
+
+
+@functools.cache
+def _extension() -> str:
+    """Load the library built for this CPU (``builds_for``); -> the build's name."""
+    cap = load_first(_cpp_extension(), builds_for(torch.backends.cpu.get_cpu_capability()))
+    torch.library.register_fake("rcr::detector_pass")(_fake)
+    return cap
 
 
 def build() -> str | None:

@@ -95,7 +95,7 @@ void detector_phase_a(const DetectorHead& h, const HeadScratch& s, float* lse_ev
   // pass 2: exponentials against each row's maximum (over the kept entries' logits too); their sum is the evicted mass
   for (int64_t g = 0; g < G; ++g) {
     float* e = s.E + g * Npad;
-    float m = vmax[g].reduce_max();
+    float m = lanes_max(vmax[g]);
     for (int64_t j = 0; j < S; ++j) m = std::max(m, s.K[g * S + j]);
     s.m[g] = m;
     if (m == kNegInf) {  // no valid entry in this sample: nothing to normalise, nothing evicted
@@ -111,7 +111,7 @@ void detector_phase_a(const DetectorHead& h, const HeadScratch& s, float* lse_ev
       x.store(e + n0);
       ve = ve + x;
     }
-    s.ev[g] = ve.reduce_add();
+    s.ev[g] = lanes_sum(ve);
     lse_ev[g] = s.ev[g] > 0.f ? m + std::log(s.ev[g]) : kNegInf;
   }
 }

@@ -20,6 +20,32 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kW = Vec::size();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// The sum and the maximum of a vector's lanes: the vector builds' own reductions; ATen's generic Vectorized has none
+// that compiles, so the plain loop there
+inline float lanes_sum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_add();
+#else
+  float b[kW];
+  v.store(b);
+  float s = 0.f;
+  for (int64_t i = 0; i < kW; ++i) s += b[i];
+  return s;
+#endif
+}
+
+inline float lanes_max(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_max();
+#else
+  float b[kW];
+  v.store(b);
+  float m = b[0];
+  for (int64_t i = 1; i < kW; ++i) m = std::max(m, b[i]);
+  return m;
+#endif
+}
+
 // A buffer of at least n elements that lives as long as the thread: steady-state decoding allocates nothing. Each
 // caller names its own buffer (distinct `Tag`s), so two of them are never the same memory.
 template <typename T, int Tag>
@@ -44,7 +70,7 @@ inline void dots_block(const float* q, int64_t d, const float* k, float sc, floa
     const Vec kv = Vec::loadu(k + i, d - i);
     for (int g = 0; g < GN; ++g) acc[g] = at::vec::fmadd(Vec::loadu(q + g * d + i, d - i), kv, acc[g]);
   }
-  for (int g = 0; g < GN; ++g) out[g] = acc[g].reduce_add() * sc;
+  for (int g = 0; g < GN; ++g) out[g] = lanes_sum(acc[g]) * sc;
 }
 
 inline void key_dots(const float* q, int64_t G, int64_t d, const float* k, float sc, float* out) {
@@ -85,13 +111,13 @@ inline float logsumexp(const float* l, int64_t n) {
   Vec vm(kNegInf);
   int64_t j = 0;
   for (; j + kW <= n; j += kW) vm = at::vec::maximum(vm, Vec::loadu(l + j));
-  float m = vm.reduce_max();
+  float m = lanes_max(vm);
   for (; j < n; ++j) m = std::max(m, l[j]);
   if (m == kNegInf) return kNegInf;
   const Vec vmm(m);
   Vec vs(0.f);
   for (j = 0; j + kW <= n; j += kW) vs = vs + (Vec::loadu(l + j) - vmm).exp();
-  float s = vs.reduce_add();
+  float s = lanes_sum(vs);
   for (; j < n; ++j) s += std::exp(l[j] - m);
   return m + std::log(s);
 }
@@ -124,7 +150,7 @@ inline bool top_k_ascending(const float* v, int64_t n, int64_t k, int64_t* out) 
     for (int64_t b = 0; b < nb; ++b) {
       const Vec x = at::vec::maximum(Vec::loadu(v + b * blk), Vec::loadu(v + b * blk + kW));
       any_nan = at::vec::maximum(any_nan, x);
-      bmax[b] = x.reduce_max();
+      bmax[b] = lanes_max(x);
     }
     float lanes[kW];
     any_nan.store(lanes);

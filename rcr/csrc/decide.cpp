@@ -2,15 +2,15 @@
 // slots, rcr::merge_rows (rcr/fused.py; docs/algorithms.md, "The fused CPU kernels").
 //
 // rcr::decide is RCR.decide (rcr/methods/rcr.py) with the resident reader, then the threshold update, the telemetry
-// record and the merge: the exact logits over the resident slots (their log-sum-exp, and the kept entries' logits for
-// the candidate ranking), the detector pass (detector_pass.cpp), the drift and the trigger; then, only for the
-// (sample, KV head) rows that fired, the candidate scores, their top C, the candidates' exact re-scoring, the top S
-// and the row copies of the merge. Rows that did not fire keep their selection and are not re-scored: the torch
-// path's masked merge discards what it computes for them. The top-k sets are found by a threshold, which is at::topk's
-// set wherever the k-th value is not tied; where it is, at::topk chooses, as in the torch path. The rounding differs
-// from the torch path (sums in another order, another exponential) but not the decisions
-// (tests/rcr/test_rcr_reference.py, tests/rcr/test_rcr_decision.py). The threshold law is the torch path's own ops
-// (at::sub, at::mul, at::exp), so tau is the same to the bit.
+// record and the merge. Per (sample, KV head): the exact logits over the resident slots (their log-sum-exp, and the
+// kept entries' logits for the candidate ranking) and the detector pass (detector_pass.cpp), the candidate scores
+// while its exponentials are in cache; then the drift and the trigger; then, only for the rows that fired, the top C,
+// the candidates' exact re-scoring, the top S and the row copies of the merge. A row that did not fire keeps its
+// selection and is not re-scored: the torch path computes a selection for it and its masked merge discards it. The
+// top-k sets are found by a threshold, which is at::topk's set wherever the k-th value is not tied; where it is,
+// at::topk chooses, as in the torch path. The rounding differs from the torch path (sums in another order, another
+// exponential) but not the decisions (tests/rcr/test_rcr_reference.py, tests/rcr/test_rcr_decision.py). tau is
+// multiplied by factors that the torch path's own ops computed (RCR.tau_factors), so it is the same to the bit.
 //
 // rcr::merge_rows is ResidentLayer.refresh (rcr/cache.py) without its temporaries, for a decision made elsewhere: where
 // the trigger is set, slots [0, S) of a (sample, KV head) become copies of the selected prefix rows.
@@ -97,7 +97,7 @@ void exact_scores(const float* lg, int64_t G, int64_t C, bool mean_prob, const f
     if (lse == kNegInf) continue;
     for (int64_t c = 0; c < C; c += kW) {
       const int64_t cnt = std::min(kW, C - c);
-      (Vec::loadu(exact + c, cnt) + (Vec::loadu(lg + g * C + c, cnt) - Vec(lse)).exp()).store(exact + c, cnt);
+      (Vec::loadu(exact + c, cnt) + vexp(Vec::loadu(lg + g * C + c, cnt) - Vec(lse))).store(exact + c, cnt);
     }
   }
   for (int64_t c = 0; c < C; ++c) exact[c] /= static_cast<float>(G);
@@ -105,8 +105,9 @@ void exact_scores(const float* lg, int64_t G, int64_t C, bool mean_prob, const f
 
 }  // namespace
 
-// In place: the resident layer (keys, values, slot_valid, selection) where the trigger fired, tau (when adapt: the
-// rate controller's law) and the telemetry's decisions (F, B, L, T) at (layer, t), when given.
+// In place: the resident layer (keys, values, slot_valid, selection) where the trigger fired, tau (with tau_factors,
+// (Hkv + 1, B): the rate controller's factor when k KV heads refreshed) and, when given, the telemetry's decisions
+// (F, B, L, T) at (layer, t).
 // -> trigger ((B,) bool, or (B, Hkv) with per_head), drift ((B,) fp32), tau ((B,) fp32, this step's threshold, before
 // the update), selection ((B, Hkv, S) int64, ascending: the new selection where the trigger fired, the current one
 // elsewhere)
@@ -114,14 +115,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
     const at::Tensor& query, const at::Tensor& basis_in, const at::Tensor& projected_t, const at::Tensor& keys,
     const at::Tensor& values, const at::Tensor& slot_valid, const at::Tensor& selection, int64_t n_stored,
     bool slots_masked, const std::optional<at::Tensor>& valid, const at::Tensor& prefix_keys_in,
-    const at::Tensor& prefix_values_in, const at::Tensor& tau, bool adapt, double step, double rho, double scaling,
-    bool mean_prob, bool per_head, int64_t n_candidates, bool kept_exact, bool context_norm,
+    const at::Tensor& prefix_values_in, const at::Tensor& tau, const std::optional<at::Tensor>& tau_factors,
+    double scaling, bool mean_prob, bool per_head, int64_t n_candidates, bool kept_exact, bool context_norm,
     const std::optional<at::Tensor>& decisions, int64_t layer, int64_t t, const at::Tensor& detector_dots) {
   for (const auto* x : {&query, &keys, &values, &prefix_keys_in, &prefix_values_in, &tau, &projected_t})
     check_cpu(*x, "every tensor");
   TORCH_CHECK(query.dim() == 4 && query.size(2) == 1 && basis_in.dim() == 4 && query.size(1) % basis_in.size(1) == 0,
               "rcr::decide: query must be (B, Hq, 1, d), Hq a multiple of the basis' Hkv");
-  TORCH_CHECK(keys.dim() == 4 && prefix_keys_in.dim() == 4, "rcr::decide: keys and prefix_keys must be (B, Hkv, *, d)");
+  TORCH_CHECK(keys.dim() == 4 && prefix_keys_in.dim() == 4 && projected_t.dim() == 4,
+              "rcr::decide: keys, prefix_keys and projected_t must be 4-d");
   // query head j belongs to KV head j // G (transformers' repeat_kv convention): (B, Hq, 1, d) is (B, Hkv, G, d)
   const int64_t B = query.size(0), H = basis_in.size(1), G = query.size(1) / H, d = query.size(3);
   const int64_t Np = projected_t.size(-1), R = basis_in.size(-1), S = selection.size(2), cap = keys.size(2);
@@ -133,12 +135,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
               keys.scalar_type() == prefix_keys_in.scalar_type() &&
               values.scalar_type() == prefix_values_in.scalar_type() && keys.is_contiguous() && values.is_contiguous(),
               "rcr::decide: keys must be contiguous (B, Hkv, cap, d), of prefix_keys' dtype");
-  TORCH_CHECK(slot_valid.scalar_type() == at::kBool && slot_valid.is_contiguous() && slot_valid.size(2) == cap &&
-              selection.scalar_type() == at::kLong && selection.is_contiguous() && selection.size(0) == B &&
-              selection.size(1) == H, "rcr::decide: slot_valid must be bool (B, Hkv, cap), selection int64 (B, Hkv, S)");
-  TORCH_CHECK(basis_in.scalar_type() == at::kFloat && basis_in.dim() == 4 && basis_in.size(0) == B &&
-              basis_in.size(1) == H && basis_in.size(2) == d, "rcr::decide: basis must be float32 (B, Hkv, d, r)");
-  TORCH_CHECK(tau.dim() == 1 && tau.size(0) == B && tau.scalar_type() == at::kFloat, "rcr::decide: tau must be float32 (B,)");
+  TORCH_CHECK(slot_valid.scalar_type() == at::kBool && slot_valid.is_contiguous() &&
+              slot_valid.sizes() == at::IntArrayRef({B, H, cap}) && selection.scalar_type() == at::kLong &&
+              selection.is_contiguous() && selection.size(0) == B && selection.size(1) == H,
+              "rcr::decide: slot_valid must be bool (B, Hkv, cap), selection int64 (B, Hkv, S)");
+  TORCH_CHECK(basis_in.scalar_type() == at::kFloat && basis_in.size(0) == B && basis_in.size(2) == d,
+              "rcr::decide: basis must be float32 (B, Hkv, d, r)");
+  TORCH_CHECK(projected_t.scalar_type() == at::kFloat && projected_t.size(0) == B && projected_t.size(1) == H &&
+              projected_t.size(2) == R, "rcr::decide: projected_t must be float32 (B, Hkv, r, Np)");
+  TORCH_CHECK(tau.dim() == 1 && tau.size(0) == B && tau.scalar_type() == at::kFloat,
+              "rcr::decide: tau must be float32 (B,)");
+  TORCH_CHECK(!tau_factors.has_value() || (tau_factors->scalar_type() == at::kFloat && tau_factors->is_contiguous() &&
+                                           tau_factors->dim() == 2 && tau_factors->size(0) == H + 1 &&
+                                           tau_factors->size(1) == B),
+              "rcr::decide: tau_factors must be float32 (Hkv + 1, B)");
   TORCH_CHECK(S <= C && (!kept_exact || S <= n) && n <= cap, "rcr::decide: the resident slots must hold the S kept "
               "entries, and S <= the candidates");
   at::Tensor pv;
@@ -155,7 +165,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
                 detector_dots.scalar_type() == at::kFloat,
                 "rcr::decide: decisions must be the telemetry's float32 (6, B, L, T)");
   }
-  const at::Tensor q = query.scalar_type() == at::kFloat && query.is_contiguous() ? query : query.to(at::kFloat).contiguous();
+  const at::Tensor q =
+      query.scalar_type() == at::kFloat && query.is_contiguous() ? query : query.to(at::kFloat).contiguous();
   const at::Tensor basis = basis_in.contiguous();
   const at::Tensor proj = projected_t.contiguous(), sel_cur = selection;
   const at::Tensor kp = rows_contiguous(prefix_keys_in), vp = rows_contiguous(prefix_values_in);
@@ -164,7 +175,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
   const float* qd = q.data_ptr<float>();
   const int64_t* cur = sel_cur.data_ptr<int64_t>();
   for (int64_t i = 0; i < sel_cur.numel(); ++i)
-    TORCH_CHECK(cur[i] >= 0 && cur[i] < Np, "rcr::decide: selection index ", cur[i], " outside the prefix [0, ", Np, ")");
+    TORCH_CHECK(cur[i] >= 0 && cur[i] < Np, "rcr::decide: selection index ", cur[i], " outside the prefix [0, ", Np,
+                ")");
 
   // the step's own results, per (sample, KV head): lse_res and lse_ev (B·H, G), the candidate scores (B·H, Np);
   // bias (B, Npad) 0 on valid prefix entries, -inf on padding and past Np
@@ -174,8 +186,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
   float* scores = scratch<float, 47>(BH * Np);
   float* bias = pv.defined() ? scratch<float, 48>(B * Npad) : nullptr;
   if (bias != nullptr)
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < Npad; ++i) bias[b * Npad + i] = (i < Np && pv.data_ptr<bool>()[b * pv.stride(0) + i]) ? 0.f : kNegInf;
+    for (int64_t b = 0; b < B; ++b) {
+      const bool* ok = pv.data_ptr<bool>() + b * pv.stride(0);
+      for (int64_t i = 0; i < Npad; ++i) bias[b * Npad + i] = (i < Np && ok[i]) ? 0.f : kNegInf;
+    }
 
   // 1. per (sample, KV head): qr = q @ basis; the exact logits over the n resident slots, their log-sum-exp and the
   // kept entries' (slots [0, S)); the detector pass: the evicted log-sum-exp and the candidate scores. The scores are
@@ -217,7 +231,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
   // refresh indicator (or the fraction of KV heads) the rate controller takes
   at::Tensor drift = at::empty({B}, q.options());
   float* fd = scratch<float, 49>(B);
-  at::Tensor trigger = at::empty(per_head ? std::vector<int64_t>{B, H} : std::vector<int64_t>{B}, q.options().dtype(at::kBool));
+  at::Tensor trigger =
+      at::empty(per_head ? std::vector<int64_t>{B, H} : std::vector<int64_t>{B}, q.options().dtype(at::kBool));
   at::Tensor tau_before = at::empty({B}, q.options());
   float* td = tau_before.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) td[b] = tau.data_ptr<float>()[b * tau.stride(0)];
@@ -242,15 +257,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
     if (!per_head) tr[b] = dd[b] > td[b];
     fd[b] = per_head ? fired / static_cast<float>(H) : (tr[b] ? 1.f : 0.f);
   }
-  // 3. the rate controller's law, tau * exp(step * (f - rho)), as RateController.update computes it: float32
-  // arithmetic with the scalars rounded to float32, the exponential by at::exp, torch's own kernel
-  if (adapt) {
-    at::Tensor e = at::empty({B}, q.options());
-    float* ed = e.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) ed[b] = (fd[b] - static_cast<float>(rho)) * static_cast<float>(step);
-    at::exp_(e);
+  // 3. the rate controller: tau * exp(step * (f - rho)), the factor for f = k / H being row k of tau_factors, which
+  // the torch ops of RateController.update computed (RCR.tau_factors)
+  if (tau_factors.has_value()) {
+    const float* law = tau_factors->data_ptr<float>();
     float* tw = tau.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) tw[b * tau.stride(0)] = td[b] * ed[b];
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t k = 0;
+      for (int64_t h = 0; h < H; ++h) k += tr[per_head ? b * H + h : b];
+      tw[b * tau.stride(0)] = td[b] * law[k * B + b];  // per layer, k is 0 or H
+    }
   }
   if (dec.defined()) {  // Telemetry.record_decision: drift, tau, trigger fraction, keys and values read, detector dots
     const int64_t L = dec.size(2), T = dec.size(3);
@@ -325,7 +341,8 @@ void merge_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tens
   for (const auto* x : {&keys, &values, &prefix_keys_in, &prefix_values_in}) check_cpu(*x, "every tensor");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && slot_valid.is_contiguous() && selection.is_contiguous(),
               "rcr::merge_rows: the resident buffers must be contiguous");
-  TORCH_CHECK(keys.scalar_type() == prefix_keys_in.scalar_type() && values.scalar_type() == prefix_values_in.scalar_type(),
+  TORCH_CHECK(keys.scalar_type() == prefix_keys_in.scalar_type() &&
+                  values.scalar_type() == prefix_values_in.scalar_type(),
               "rcr::merge_rows: resident and prefix dtypes differ");
   TORCH_CHECK(selection.scalar_type() == at::kLong && new_selection_in.scalar_type() == at::kLong &&
               trigger_in.scalar_type() == at::kBool && slot_valid.scalar_type() == at::kBool,
@@ -339,7 +356,8 @@ void merge_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tens
   TORCH_CHECK(k_p.size(0) == B && k_p.size(1) == H && k_p.size(3) == d && v_p.sizes() == k_p.sizes() &&
               values.sizes() == keys.sizes(), "rcr::merge_rows: prefix and resident shapes differ");
   const bool per_head = trig.dim() == 2;
-  TORCH_CHECK(trig.size(0) == B && (!per_head || trig.size(1) == H), "rcr::merge_rows: trigger must be (B,) or (B, Hkv)");
+  TORCH_CHECK(trig.size(0) == B && (!per_head || trig.size(1) == H),
+              "rcr::merge_rows: trigger must be (B,) or (B, Hkv)");
   at::Tensor pv;
   if (prefix_valid.has_value()) {
     pv = prefix_valid->stride(1) == 1 ? *prefix_valid : prefix_valid->contiguous();  // (B, Np), a slice of (B, N)
@@ -351,11 +369,13 @@ void merge_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tens
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H;
     if (!td[per_head ? bh : b]) continue;
+    const int64_t kp_off = (b * k_p.stride(0) + h * k_p.stride(1)) * k_p.element_size();
+    const int64_t vp_off = (b * v_p.stride(0) + h * v_p.stride(1)) * v_p.element_size();
     const MergeRow r{static_cast<char*>(keys.data_ptr()) + bh * cap * d * keys.element_size(),
                      static_cast<char*>(values.data_ptr()) + bh * cap * d * values.element_size(),
                      slot_valid.data_ptr<bool>() + bh * cap, selection.data_ptr<int64_t>() + bh * S,
-                     static_cast<const char*>(k_p.data_ptr()) + (b * k_p.stride(0) + h * k_p.stride(1)) * k_p.element_size(),
-                     static_cast<const char*>(v_p.data_ptr()) + (b * v_p.stride(0) + h * v_p.stride(1)) * v_p.element_size(),
+                     static_cast<const char*>(k_p.data_ptr()) + kp_off,
+                     static_cast<const char*>(v_p.data_ptr()) + vp_off,
                      pv.defined() ? pv.data_ptr<bool>() + b * pv.stride(0) : nullptr,
                      d * keys.element_size(), d * values.element_size(), Np};
     merge_row(r, ns + bh * S, S);
@@ -365,7 +385,7 @@ void merge_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tens
 TORCH_LIBRARY_FRAGMENT(rcr, m) {
   m.def("decide(Tensor query, Tensor basis, Tensor projected_t, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor(c!) slot_valid, Tensor(d!) selection, int n_stored, bool slots_masked, Tensor? valid, "
-        "Tensor prefix_keys, Tensor prefix_values, Tensor(e!) tau, bool adapt, float step, float rho, float scaling, "
+        "Tensor prefix_keys, Tensor prefix_values, Tensor(e!) tau, Tensor? tau_factors, float scaling, "
         "bool mean_prob, bool per_head, int n_candidates, bool kept_exact, bool context_norm, Tensor(f!)? decisions, "
         "int layer, int t, Tensor detector_dots) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("merge_rows(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) slot_valid, Tensor(d!) selection, Tensor trigger, "

@@ -107,7 +107,7 @@ void detector_phase_a(const DetectorHead& h, const HeadScratch& s, float* lse_ev
     const Vec vm(m);
     Vec ve(0.f);
     for (int64_t n0 = 0; n0 < Npad; n0 += kW) {
-      const Vec x = (Vec::loadu(e + n0) - vm).exp();
+      const Vec x = vexp(Vec::loadu(e + n0) - vm);
       x.store(e + n0);
       ve = ve + x;
     }
@@ -129,9 +129,11 @@ void detector_phase_b(const DetectorHead& h, const HeadScratch& s, const float* 
       continue;
     }
     float sum = s.ev[g];
-    int64_t j = 0;
-    for (; j < S; j += kW) (Vec::loadu(s.K + g * S + j, std::min(kW, S - j)) - Vec(m)).exp().store(kx + j, std::min(kW, S - j));
-    for (j = 0; j < S; ++j) e[h.sel[j]] = kx[j], sum += kx[j];
+    for (int64_t j = 0; j < S; j += kW) {
+      const int64_t cnt = std::min(kW, S - j);
+      vexp(Vec::loadu(s.K + g * S + j, cnt) - Vec(m)).store(kx + j, cnt);
+    }
+    for (int64_t j = 0; j < S; ++j) e[h.sel[j]] = kx[j], sum += kx[j];
     if (lse_res == nullptr) {  // the softmax over the prefix
       f[g] = sum > 0.f ? 1.f / sum : 0.f;
     } else {  // the context's normaliser
@@ -186,11 +188,13 @@ std::tuple<at::Tensor, at::Tensor> detector_pass(const at::Tensor& qr_in, const 
   if (lse_res_in.has_value()) {
     lse_res = lse_res_in->contiguous();
     TORCH_CHECK(lse_res.scalar_type() == at::kFloat && lse_res.dim() == 3 && lse_res.size(0) == B &&
-                lse_res.size(1) == H && lse_res.size(2) == G, "rcr::detector_pass: lse_res must be float32 (B, Hkv, G)");
+                lse_res.size(1) == H && lse_res.size(2) == G,
+                "rcr::detector_pass: lse_res must be float32 (B, Hkv, G)");
   }
   const int64_t* sd = sel.data_ptr<int64_t>();
   for (int64_t i = 0; i < sel.numel(); ++i)
-    TORCH_CHECK(sd[i] >= 0 && sd[i] < Np, "rcr::detector_pass: selection index ", sd[i], " outside the prefix [0, ", Np, ")");
+    TORCH_CHECK(sd[i] >= 0 && sd[i] < Np, "rcr::detector_pass: selection index ", sd[i], " outside the prefix [0, ",
+                Np, ")");
   at::Tensor lse_ev = at::empty({B, H, G}, qr.options());
   at::Tensor scores = at::empty({B, H, Np}, qr.options());
   // per sample, 0 on valid entries and -inf on padding and past Np
@@ -206,7 +210,8 @@ std::tuple<at::Tensor, at::Tensor> detector_pass(const at::Tensor& qr_in, const 
     for (int64_t bh = begin; bh < end; ++bh) {
       const DetectorHead h{qr.data_ptr<float>() + bh * G * R, proj.data_ptr<float>() + bh * R * Np, sd + bh * S,
                            kept.defined() ? kept.data_ptr<float>() + bh * G * S : nullptr,
-                           bias != nullptr ? bias + (bh / H) * Npad : nullptr, G, R, Np, S, static_cast<float>(scaling)};
+                           bias != nullptr ? bias + (bh / H) * Npad : nullptr, G, R, Np, S,
+                           static_cast<float>(scaling)};
       float* lo = lse_ev.data_ptr<float>() + bh * G;
       float* so = scores.data_ptr<float>() + bh * Np;
       detector_phase_a(h, s, lo, mean_prob ? nullptr : so);

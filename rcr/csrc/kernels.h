@@ -46,6 +46,30 @@ inline float lanes_max(const Vec& v) {
 #endif
 }
 
+// exp of each lane. With AVX-512: Cephes' expf (x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-5 polynomial,
+// 2^n by scalef, which also gives the denormals and the 0 below them), within 1.3 ulp, in half the instructions of
+// ATen's Sleef exp. It is most of the detector's cost: one exponential per query head per prefix entry.
+inline Vec vexp(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // clamped to [-104, 100], where exp is 0 below and +inf above in float; the clamp's operand order keeps NaN
+  const __m512 x = _mm512_min_ps(_mm512_set1_ps(100.f), _mm512_max_ps(_mm512_set1_ps(-104.f), static_cast<__m512>(v)));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return Vec(_mm512_scalef_ps(p, n));
+#else
+  return v.exp();
+#endif
+}
+
 // A buffer of at least n elements that lives as long as the thread: steady-state decoding allocates nothing. Each
 // caller names its own buffer (distinct `Tag`s), so two of them are never the same memory.
 template <typename T, int Tag>
@@ -116,7 +140,7 @@ inline float logsumexp(const float* l, int64_t n) {
   if (m == kNegInf) return kNegInf;
   const Vec vmm(m);
   Vec vs(0.f);
-  for (j = 0; j + kW <= n; j += kW) vs = vs + (Vec::loadu(l + j) - vmm).exp();
+  for (j = 0; j + kW <= n; j += kW) vs = vs + vexp(Vec::loadu(l + j) - vmm);
   float s = lanes_sum(vs);
   for (; j < n; ++j) s += std::exp(l[j] - m);
   return m + std::log(s);

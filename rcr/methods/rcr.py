@@ -24,7 +24,6 @@ trigger and reads only the rows that fired, or nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -42,6 +41,8 @@ class RCRState:
     tau: torch.Tensor  # (B,) shared by all layers of a sample, or (B, L) per layer
     detector_dots: torch.Tensor  # (B,) the detector's cost per layer-step: valid prefix entries x rank / head dim
     fused: bool = False  # the detector pass runs as rcr.fused's CPU kernel
+    # (Hkv + 1, B): the threshold's factor when k of the Hkv KV heads refreshed (RCR.tau_factors); None: fixed
+    tau_factors: torch.Tensor | None = None
 
 
 @dataclass
@@ -49,7 +50,6 @@ class RCR(Method):
     name = "rcr"
     reselects = True
     supports_offload = True
-    adapts_tau: ClassVar[bool] = True  # update_tau applies the rate controller's law (fixed: False)
 
     @property
     def controller(self) -> RateController:
@@ -67,7 +67,8 @@ class RCR(Method):
         # decided here, outside the (possibly compiled) decode step
         fused = self.config.fused_kernel and prefix.valid.device.type == "cpu" and fused_kernel_available()
         dots = prefix.prefix_valid.sum(-1).float() * (dets[0].rank / prefix.head_dim)
-        return RCRState(detectors=dets, tau=self.initial_tau(prefix), detector_dots=dots, fused=fused)
+        return RCRState(detectors=dets, tau=self.initial_tau(prefix), detector_dots=dots, fused=fused,
+                        tau_factors=self.tau_factors(prefix) if fused else None)
 
     def initial_tau(self, prefix) -> torch.Tensor:
         return self.controller.init(self.tau_shape(prefix), prefix.valid.device)
@@ -78,6 +79,15 @@ class RCR(Method):
 
     def update_tau(self, state: RCRState, layer: int, f: torch.Tensor) -> None:
         state.tau.copy_(self.controller.update(state.tau, f))  # in place: a fixed address (CUDA graphs)
+
+    def tau_factors(self, prefix) -> torch.Tensor | None:
+        """(Hkv + 1, B): row k is the factor update_tau applies when k of the Hkv KV heads refreshed (f = k / Hkv;
+        per layer, 0 or 1), each row by the controller's own ops on a (B,) tensor, as the torch path computes it: the
+        fused op multiplies tau by it and gets the torch path's tau to the bit. None: the threshold does not move."""
+        B, H, dev = prefix.batch_size, prefix.n_kv_heads, prefix.valid.device
+        f = torch.arange(H + 1, dtype=torch.float32) / H  # = the mean over KV heads of the float trigger
+        return torch.stack([self.controller.update(torch.ones(B, device=dev), torch.full((B,), float(fk), device=dev))
+                            for fk in f])
 
     def decide(self, ctx: StepContext) -> Decision:
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
@@ -132,9 +142,9 @@ class RCR(Method):
 
     def _decide_op(self, ctx: StepContext, kept_exact: bool, context: bool) -> Decision:
         """The layer-step as one op (rcr/csrc/decide.cpp): steps 1-4 of ``decide`` in plain loops, without the ~100
-        torch calls, the candidates only for the rows that fired; the threshold update (``adapts_tau``: the
-        controller's law, by the torch path's ops), the merge into the resident layer and, with ``ctx.telemetry``,
-        the telemetry record are done in place. The selection of a row that did not fire is its current one."""
+        torch calls, the candidates only for the rows that fired. In place: the threshold (by ``tau_factors``), the
+        merge into the resident layer and, with ``ctx.telemetry``, the telemetry record. The selection of a row that
+        did not fire is its current one."""
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
         det = st.detectors[ctx.layer]
         k_p, v_p = p.prefix_kv(ctx.layer)
@@ -142,7 +152,7 @@ class RCR(Method):
         trigger, drift, tau, sel = torch.ops.rcr.decide(
             ctx.query, det.basis, det.projected_t, res.keys, res.values, res.slot_valid, res.selection, res.n_stored,
             res.slots_masked, p.prefix_valid if res.padded else None, k_p, v_p, self.current_tau(st, ctx.layer),
-            self.adapts_tau, cfg.step, cfg.rho, p.scaling, cfg.head_reduction == "mean_prob",
+            st.tau_factors, p.scaling, cfg.head_reduction == "mean_prob",
             cfg.controller_signal == "heads", cfg.candidates, kept_exact, context,
             None if tel is None else tel.decisions, ctx.layer, ctx.step, st.detector_dots)
         return Decision(selection=sel, trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots,
@@ -159,7 +169,6 @@ class Fixed(RCR):
     e.g. the sweep label ``fixed@0.05``)."""
 
     name = "fixed"
-    adapts_tau: ClassVar[bool] = False
     tau: float | None = None
 
     def initial_tau(self, prefix) -> torch.Tensor:
@@ -168,3 +177,6 @@ class Fixed(RCR):
 
     def update_tau(self, state, layer, f) -> None:
         pass
+
+    def tau_factors(self, prefix) -> None:
+        return None

@@ -196,7 +196,7 @@ def test_decide_and_merge_rows_reject_bad_inputs():
     args = dict(query=qg.reshape(B, -1, 1, d), basis=det.basis, projected_t=det.projected_t, keys=res,
                 values=res.clone(), slot_valid=torch.ones(B, H, 20, dtype=torch.bool), selection=selection.clone(),
                 n_stored=12, slots_masked=False, valid=valid, prefix_keys=keys, prefix_values=keys.clone(),
-                tau=torch.zeros(B), adapt=True, step=0.05, rho=0.4, scaling=0.25, mean_prob=True, per_head=False,
+                tau=torch.zeros(B), tau_factors=torch.ones(H + 1, B), scaling=0.25, mean_prob=True, per_head=False,
                 n_candidates=16, kept_exact=True, context_norm=True, decisions=None, layer=0, t=0,
                 detector_dots=torch.zeros(B))
     trigger, drift, tau, sel = torch.ops.rcr.decide(**args)
@@ -206,6 +206,7 @@ def test_decide_and_merge_rows_reject_bad_inputs():
            "basis must be": dict(basis=det.basis.double()), "S <= the candidates": dict(n_candidates=5),
            "of prefix_keys' dtype": dict(keys=res.double()), "must hold the S kept entries": dict(n_stored=4),
            "decisions must be": dict(decisions=torch.zeros(5, B, 1, 1)),
+           "tau_factors must be": dict(tau_factors=torch.ones(H, B)),
            "selection index 50 outside": dict(selection=selection.clamp_min(50))}
     for msg, change in bad.items():
         with pytest.raises(RuntimeError, match=msg):

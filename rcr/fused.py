@@ -1,16 +1,20 @@
 """RCR's decode-time work as fused CPU ops (``rcr/csrc/``), registered as torch ops:
 
 - ``torch.ops.rcr.detector_pass`` (``detector_pass.cpp``): the pass over the detector logits in one kernel. A
-  compiled decode step (``RCRConfig.compile``) calls it without a graph break.
-- ``torch.ops.rcr.decide`` (``decide.cpp``): an eager layer-step's whole decision (``RCR.decide`` with the
-  resident reader) in plain loops, ``at::topk`` choosing as in the torch path, without the ~100 torch calls.
+  compiled decode step (``RCRConfig.compile``) and offload mode call it; a compiled step without a graph break.
+- ``torch.ops.rcr.decide`` (``decide.cpp``): an eager layer-step of ``rcr``, ``fixed`` or ``rcr_layer`` with the
+  resident reader (``RCR._decide_op``): the decision, the threshold update, the telemetry record and the merge, in
+  plain loops and without the ~100 torch calls. The candidates are scored only for the rows whose trigger fired; a
+  row that did not fire keeps its selection, which is what the torch path's masked merge leaves it.
 - ``torch.ops.rcr.merge_rows`` (``decide.cpp``): the masked merge of a re-selection (``ResidentLayer.refresh``) as
   row copies where the trigger fired.
 
-The composed torch versions are their references and the path on every other device; the ops give the same
-triggers and selections (tests/rcr/test_fused.py, tests/rcr/test_rcr_decision.py). They are built once per
-machine, on first use, with the C++ compiler that torch.compile also uses, into torch's extension cache
-(``TORCH_EXTENSIONS_DIR``); where they cannot be built, RCR decodes with the torch path and a warning says so.
+The composed torch versions are their references and the path on every other device; the ops make the same
+decisions (tests/rcr/test_rcr_reference.py, tests/rcr/test_fused.py, tests/rcr/test_rcr_decision.py). They are
+built once per machine, on first use, with the C++ compiler that torch.compile also uses, into torch's extension
+cache (``TORCH_EXTENSIONS_DIR``), for the CPU's vector width (``BUILDS``: ATen's AVX-512, AVX2 or generic vectors,
+by ``torch.backends.cpu.get_cpu_capability()``); a build that does not compile falls back to a narrower one, and
+where none does, RCR decodes with the torch path and a warning says so.
 
 detector_pass:
     qr (B, Hkv, G, r) fp32, the rank-r query projections; projected_t (B, Hkv, r, Np) fp32; selection (B, Hkv, S)

@@ -33,8 +33,9 @@ from ..scoring import top_sorted
 @dataclass
 class Decision:
     trigger: torch.Tensor  # (B,) or (B, Hkv) bool: refresh the selected slots of this layer (per KV head)
-    # (B, Hkv, S) candidate selection, merged where trigger is set. None: nothing to merge (offload mode, when
-    # the host saw that no trigger fired and therefore read nothing; a scorer with no score at this layer-step)
+    # (B, Hkv, S) candidate selection, merged where trigger is set; a row that did not fire is never merged, and
+    # rcr::decide leaves its current selection there. None: nothing to merge (offload mode, when the host saw that
+    # no trigger fired and therefore read nothing; a scorer with no score at this layer-step)
     selection: torch.Tensor | None
     drift: torch.Tensor | None = None  # (B,) estimated drift of this layer-step
     tau: torch.Tensor | None = None  # (B,) threshold the trigger was compared against

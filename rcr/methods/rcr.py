@@ -6,15 +6,16 @@ Per decode layer-step, before attention, with the current post-RoPE query q:
    evicted and exact logits for the resident entries: sigmoid(LSE(z~_evicted) - LSE(z_resident)),
    averaged over the G query heads and the KV heads of the layer. The one pass over the detector logits
    (``Detector.evicted_lse_and_scores``) also gives the candidate scores; on CPU it is a fused C++ kernel, and an
-   eager layer-step runs steps 1-3 as one C++ op (``rcr.fused``).
+   eager layer-step runs steps 1-4 as one C++ op (``rcr.fused``, ``_decide_op``).
 2. trigger = drift > tau.
-3. Candidates, computed in every layer: the top C of the whole prefix ranked by the kept entries' exact logits
-   (the resident slots') and the evicted entries' approximate ones, re-scored exactly with their keys; the top
-   S are the new selection (C key + S value reads). ``mean_prob`` takes each query head's probability under its
+3. Candidates, computed in every layer (by the eager CPU op only in the rows that fired, the only ones merged):
+   the top C of the whole prefix ranked by the kept entries' exact logits (the resident slots') and the evicted
+   entries' approximate ones, re-scored exactly with their keys; the top S are the new selection (C key + S value
+   reads). ``mean_prob`` takes each query head's probability under its
    whole context's softmax, normalised by logaddexp(LSE(z_resident), LSE(z~_evicted)), the drift's two terms.
    ``kept_logits="approx"`` and ``prob_norm="scored"`` are the ablations (docs/algorithms.md, "rcr").
-4. The base merges under the trigger with torch.where (on CPU, eagerly: row copies where it fired,
-   ``ResidentLayer.refresh``); tau is updated by the rate controller.
+4. The base merges under the trigger with torch.where (on CPU, eagerly: row copies where it fired, by the op
+   itself for these methods); tau is updated by the rate controller.
 
 Prefix keys and values are read only through ``ctx.reader`` (``rcr.offload``): in GPU-only mode the reads are
 issued every layer-step and the merge is masked; in offload mode (``config.offload``) the host sees the

@@ -38,6 +38,7 @@ void logits_pass(const DetectorHead& h, float* E, Vec* vmax, float* max_scores) 
   for (int64_t n0 = 0; n0 < Npad; n0 += kW) {
     const int64_t cnt = std::min(kW, Np - n0);
     Vec p[RC > 0 ? RC : 1];
+    for (int64_t k = 0; k < R; ++k) __builtin_prefetch(h.P + k * Np + n0 + 8 * kW);  // R streams, 8 vectors ahead
     if constexpr (RC > 0)
       for (int64_t k = 0; k < RC; ++k) p[k] = Vec::loadu(h.P + k * Np + n0, cnt);
     Vec head_max(kNegInf);

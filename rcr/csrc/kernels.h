@@ -155,24 +155,26 @@ inline float logaddexp(float a, float b) {
 // found by selection, and the entries >= t are the top k when exactly k of them are. Where t is tied with an entry
 // outside the top k, or a value is NaN, the set is at::topk's choice (the torch path's), and this returns false.
 //
-// At n >> k a first pass narrows the search: the k-th largest of the maxima of 2-vector blocks is <= t (k blocks
-// hold a value at least that large), so only the entries not below it are kept, a few per block that holds any.
+// At n >> k a first pass narrows the search: the k-th largest of the maxima of about 4k blocks (whole vectors) is
+// <= t (k blocks hold a value at least that large), so only the entries not below it are kept, a few per block that
+// holds any.
 inline bool top_k_ascending(const float* v, int64_t n, int64_t k, int64_t* out) {
   if (k <= 0) return true;
   if (k >= n) {
     for (int64_t i = 0; i < n; ++i) out[i] = i;
     return k == n;
   }
-  constexpr int64_t blk = 2 * kW;
+  const int64_t vecs = std::max<int64_t>(1, n / (4 * k * kW)), blk = vecs * kW;  // vectors per block, entries
   const int64_t nb = n / blk;  // whole blocks; the tail's entries all go on to the selection
   float* sv = scratch<float, 0>(n);  // the entries kept: their values, in position order
   int64_t* si = scratch<int64_t, 0>(n);  // and their positions
   int64_t m = 0, i = 0;
-  if (nb > 2 * k) {
+  if (nb >= 2 * k) {
     float* bmax = scratch<float, 1>(nb);
     Vec any_nan(kNegInf);  // maximum() propagates NaN lane by lane
     for (int64_t b = 0; b < nb; ++b) {
-      const Vec x = at::vec::maximum(Vec::loadu(v + b * blk), Vec::loadu(v + b * blk + kW));
+      Vec x = Vec::loadu(v + b * blk);
+      for (int64_t j = 1; j < vecs; ++j) x = at::vec::maximum(x, Vec::loadu(v + b * blk + j * kW));
       any_nan = at::vec::maximum(any_nan, x);
       bmax[b] = lanes_max(x);
     }

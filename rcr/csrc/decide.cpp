@@ -163,10 +163,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
   at::Tensor dec;
   if (decisions.has_value()) {
     dec = *decisions;
-    TORCH_CHECK(dec.scalar_type() == at::kFloat && dec.is_contiguous() && dec.dim() == 4 && dec.size(0) == 6 &&
+    TORCH_CHECK(dec.scalar_type() == at::kFloat && dec.is_contiguous() && dec.dim() == 4 && dec.size(0) >= 6 &&
                 dec.size(1) == B && layer < dec.size(2) && t < dec.size(3) && detector_dots.numel() == B &&
                 detector_dots.scalar_type() == at::kFloat,
-                "rcr::decide: decisions must be the telemetry's float32 (6, B, L, T)");
+                "rcr::decide: decisions must be the telemetry's float32 (F >= 6, B, L, T)");
   }
   const at::Tensor q =
       query.scalar_type() == at::kFloat && query.is_contiguous() ? query : query.to(at::kFloat).contiguous();
@@ -271,14 +271,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decide(
       tw[b * tau.stride(0)] = td[b] * law[k * B + b];  // per layer, k is 0 or H
     }
   }
-  if (dec.defined()) {  // Telemetry.record_decision: drift, tau, trigger fraction, keys and values read, detector dots
-    const int64_t L = dec.size(2), T = dec.size(3);
+  if (dec.defined()) {  // Telemetry.record_decision: drift, tau, trigger fraction, keys and values read, detector
+    // dots (FIELDS_FLOAT's first six); the fields after them (a page cache's recalls) are NaN: RCR has none
+    const int64_t F = dec.size(0), L = dec.size(2), T = dec.size(3);
     const float* dots = detector_dots.data_ptr<float>();
     float* out = dec.data_ptr<float>() + layer * T + t;
     for (int64_t b = 0; b < B; ++b) {
       const float row[6] = {dd[b], td[b], fd[b], fd[b] * static_cast<float>(C), fd[b] * static_cast<float>(S),
                             dots[b * detector_dots.stride(0)]};
-      for (int64_t fld = 0; fld < 6; ++fld) out[(fld * B + b) * L * T] = row[fld];
+      for (int64_t fld = 0; fld < F; ++fld)
+        out[(fld * B + b) * L * T] = fld < 6 ? row[fld] : std::numeric_limits<float>::quiet_NaN();
     }
   }
 

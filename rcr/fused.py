@@ -3,9 +3,9 @@
 - ``torch.ops.rcr.detector_pass`` (``detector_pass.cpp``): the pass over the detector logits in one kernel. A
   compiled decode step (``RCRConfig.compile``) and offload mode call it; a compiled step without a graph break.
 - ``torch.ops.rcr.decide`` (``decide.cpp``): an eager layer-step of ``rcr``, ``fixed`` or ``rcr_layer`` with the
-  resident reader (``RCR._decide_op``): the decision, the threshold update, the telemetry record and the merge, in
-  plain loops and without the ~100 torch calls. The candidates are scored only for the rows whose trigger fired; a
-  row that did not fire keeps its selection, which is what the torch path's masked merge leaves it.
+  resident reader (``DriftRefresh._decide_op``): the decision, the threshold update, the telemetry record and the
+  merge, in plain loops and without the ~100 torch calls. The candidates are scored only for the rows whose trigger
+  fired; a row that did not fire keeps its selection, which is what the torch path's masked merge leaves it.
 - ``torch.ops.rcr.merge_rows`` (``decide.cpp``): the masked merge of a re-selection (``ResidentLayer.refresh``) as
   row copies where the trigger fired.
 

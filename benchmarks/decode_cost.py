@@ -1,24 +1,36 @@
-"""Decode cost of full, bacon, exact, rcr and quest, measured side by side in one run.
+"""Decode cost of full, bacon, exact, rcr and quest, measured side by side in one run, against the cost model's floor.
 
 Two modes:
 
 ``--mode layer`` (default): one decoder layer's decode step at the Qwen2-VL-7B attention geometry (28 query
 heads, 4 KV heads, head dim 128). For each prefix length, one layer's prefix store is filled with random
-post-RoPE keys/values and the real decode machinery (ResidentLayer + DecodeSession: decide, masked merge,
-attention over resident slots) is timed one layer-step at a time. ``full(gqa)`` is the attention path before
-the one-token fast path (SDPA with ``enable_gqa=True`` over the Hkv heads), kept here for the comparison.
-It also prints the counted reads per KV head per layer-step next to the paper's cost model (about Np/16
-detector dot products at rank 8 / head dim 128, plus 160 * r vector reads for rcr, r the refresh fraction).
+post-RoPE keys/values and the real decode machinery (ResidentLayer + DecodeSession: decide, merge, attention over
+resident slots) is timed one layer-step at a time, in thread CPU time (what the step itself spends, stable on a
+loaded machine) and in wall time. ``full(gqa)`` is the attention path before the one-token fast path (SDPA with
+``enable_gqa=True`` over the Hkv heads), kept here for the comparison.
+
+Each step is held to its floor, measured in the same run: the machine's read bandwidth (a sum over 256 MB) and
+fp32 GEMM rate (1024 x 1024 matmul), in the same clock as the steps, at the same thread count. A method's floor is
+the larger of its bytes over the bandwidth and its dot products over the GEMM rate, per layer-step, from what its
+telemetry counts at that step: attention over the n resident slots (n keys and n values read, 2 n d multiply-adds
+per query head), the device-resident summary (``detector dots``, in key equivalents: rcr's rank-8 projected keys,
+Quest's page bounds) and the prefix keys and values read (rcr: 160 r, exact: Np + 32, quest: 64), each key dotted
+with the KV head's G query heads. The exponentials and the top-k are not in the model.
+
+The settle steps come first, untimed and the same for every method: the rate controller starts at tau0, far below
+the drift of random keys, and takes about 100 layer-steps to reach its steady state (refreshing about rho of the
+steps). They also append a generated token per step, so the caches hold S + W + settle slots when timing starts
+(32 + 32 + 150 = 214 by default, every method the same number of generated entries) and S + W + settle + steps when
+it ends; the floor takes each step's own resident size. ``full``'s resident slots are the whole prefix plus the same.
+
+Methods are interleaved round-robin in an order shuffled every round, and the ratios (to the floor, ``x full``,
+``x bacon``, and the closing rcr / bacon and rcr / full) are of medians measured in the same run, so they share the
+machine's noise. Torch runs on 1 thread unless ``--threads`` says otherwise; the load average is printed. On CPU,
+``rcr(torch)`` is rcr with ``fused_kernel=False`` (rcr/fused.py).
 
 ``--mode model``: decode tokens/s of whole models from one prefill (prefix store), every method decoding the
 same number of tokens: the embedded model (``rcr.embedded.model_dir()``) on a synthetic detailcaps scene, and a
 few random-weight layers of the 7B geometry (hidden 3584, MLP 18944) on a random prefix store of Np entries.
-
-Every method gets the same untimed settle steps (the rate controller's tau0 is far below the drift of random
-keys; the settle steps also give every cache the same number of generated entries), methods are interleaved
-round-robin in an order shuffled every round, and each row prints its ratio to ``full`` measured in the same
-run, so the ratios share the machine's noise. Torch runs on 1 thread unless ``--threads`` says otherwise; the
-load average is printed. On CPU, ``rcr(torch)`` is rcr with ``fused_kernel=False`` (rcr/fused.py).
 
     python benchmarks/decode_cost.py                            # layer mode: 1k, 4k, 16k on CPU (fp32)
     python benchmarks/decode_cost.py --compile default          # the same, each layer-step one compiled region
@@ -80,6 +92,46 @@ def load_line() -> str:
     one, five, fifteen = os.getloadavg()
     return (f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs; "
             f"torch threads {torch.get_num_threads()}")
+
+
+class Clock:
+    """Thread CPU time and wall time of one call; on a GPU only wall time (after a synchronisation) means anything."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.sync = (lambda: torch.cuda.synchronize(device)) if self.cuda else (lambda: None)
+
+    def __call__(self, fn, *args) -> tuple[float, float]:
+        self.sync()
+        c0, w0 = time.thread_time(), time.perf_counter()
+        fn(*args)
+        self.sync()
+        wall = time.perf_counter() - w0
+        return (wall if self.cuda else time.thread_time() - c0), wall
+
+
+def machine(clock: Clock, device, dtype) -> dict:
+    """Read bandwidth (bytes/s: a sum over 256 MB, beyond every cache) and GEMM rate (FLOP/s: fp32 1024 x 1024
+    matmul, or the dtype's on a GPU), the best of 5, in CPU time and in wall time."""
+    x = torch.ones(64 * 2 ** 20, device=device)
+    a = torch.randn(1024, 1024, device=device, dtype=dtype if clock.cuda else torch.float32)
+    bw = [clock(torch.sum, x) for _ in range(5)]
+    mm = [clock(torch.mm, a, a) for _ in range(5)]
+    work = (("bw", x.numel() * 4, bw), ("gemm", 2 * 1024 ** 3, mm))  # bytes read, FLOPs
+    out = {f"{k}_{c}": v / min(t[i] for t in ts) for k, v, ts in work for i, c in enumerate(("cpu", "wall"))}
+    print(f"machine: read {out['bw_cpu'] / 1e9:.1f} GB/s, GEMM {out['gemm_cpu'] / 1e9:.0f} GFLOP/s in CPU time; "
+          f"{out['bw_wall'] / 1e9:.1f} GB/s, {out['gemm_wall'] / 1e9:.0f} GFLOP/s in wall time", flush=True)
+    return out
+
+
+def floor_s(rates: dict, clock: str, n_slots: float, keys_read: float, values_read: float, summary: float,
+            elt: int) -> float:
+    """Seconds of one layer-step at the machine's rates: attention over n_slots resident slots, the summary (key
+    equivalents, fp32) and the prefix keys and values read, per KV head; every key dotted with the G query heads."""
+    keys = 2 * n_slots + keys_read  # resident keys and values, read prefix keys
+    nbytes = HKV * D * (elt * (keys + values_read) + 4 * summary)
+    flops = 2 * HQ * D * (keys + summary)
+    return max(nbytes / rates[f"bw_{clock}"], flops / rates[f"gemm_{clock}"])
 
 
 def random_prefix(n_layers: int, n_prompt: int, cfg: RCRConfig, device, dtype, vocab: int = 8,
@@ -148,42 +200,48 @@ class LayerStep:
 def layer_mode(args, device, dtype, sync) -> None:
     cfg = RCRConfig(compile=args.compile)  # checks the --compile value, as model mode does
     methods = selected_methods(LAYER_METHODS, args.methods, device)
+    clock = Clock(device)
+    rates = machine(clock, device, dtype)
     print(f"layer mode: {HQ} q heads, {HKV} KV heads, head dim {D}; device {device}, {dtype}; selected "
           f"{cfg.selected} + window {cfg.window}, candidates {RCR().candidates}, rank {RCR().rank}; "
           f"{args.settle} settle + {args.steps} timed layer-steps per method" +
           (f"; every method but full(gqa) compiled whole (mode {args.compile})" if args.compile else ""))
-    print(f"{'Np':>7} {'method':>10} {'ms/layer-step':>14} {'x full':>7} {'x bacon':>8} {'refresh r':>9} "
-          f"{'keys+vals read':>15} {'detector dots':>14} {'model: Np/16 + 160r':>20}")
+    print(f"{'Np':>6} {'method':>10} {'cpu us':>8} {'wall us':>8} {'floor us':>8} {'x floor':>7} {'x full':>6} "
+          f"{'x bacon':>7} {'slots':>6} {'r':>5} {'reads':>6} {'model 160r':>10} {'dots':>6} {'Np/16':>6}")
+    elt = torch.tensor([], dtype=dtype).element_size()
     for n in args.lengths:
         prefix = random_prefix(1, n + cfg.window, cfg, device, dtype)
         np_ = prefix.n_prefix
         total = args.settle + args.steps
         runners = {m: LayerStep(m, prefix, cfg, total, cfg.compile) for m in methods}
-        times = {m: [] for m in methods}
+        cpu, wall, slots = ({m: [] for m in methods} for _ in range(3))
         g = torch.Generator(device="cpu").manual_seed(0)
         with torch.no_grad():
             for i in range(total):
                 q, k, v = (torch.randn(1, h, 1, D, generator=g).to(device, dtype) for h in (HQ, HKV, HKV))
                 for m in shuffled(methods, i):  # interleaved: same inputs, same moment, same number of steps
-                    sync()
-                    t0 = time.perf_counter()
-                    runners[m](q, k, v)
-                    sync()
+                    c, w = clock(runners[m], q, k, v)
                     if i >= args.settle:
-                        times[m].append(time.perf_counter() - t0)
-        med = {m: statistics.median(times[m]) for m in methods}
+                        cpu[m].append(c)
+                        wall[m].append(w)
+                        slots[m].append(runners[m].cache.layers[0].n_stored)  # after the step's own token
+        med = {m: statistics.median(cpu[m]) for m in methods}
         for m in methods:
-            tel = runners[m].tel
-            s = slice(args.settle, total)
+            tel, s = runners[m].tel, slice(args.settle, total)
             r = float(tel.trigger[0, 0, s].mean())
-            reads = float((tel.keys_read[0, 0, s] + tel.values_read[0, 0, s]).mean())
+            keys, vals = float(tel.keys_read[0, 0, s].mean()), float(tel.values_read[0, 0, s].mean())
             dots = float(tel.detector_dots[0, 0, s].mean())
-            model = f"{np_ / 16:.0f} + {160 * r:.1f}" if m.startswith("rcr") else "-"
-            xb = f"{med[m] / med['bacon']:8.2f}" if "bacon" in med else f"{'-':>8}"
-            print(f"{np_:>7} {m:>10} {med[m] * 1e3:>14.3f} {med[m] / med['full']:>7.2f} {xb} {r:>9.2f} "
-                  f"{reads:>15.1f} {dots:>14.1f} {model:>20}", flush=True)
-        if "full(gqa)" in med:
-            print(f"{np_:>7} full / full(gqa) = {med['full'] / med['full(gqa)']:.2f}", flush=True)
+            n_slots = statistics.mean(slots[m])
+            floor = floor_s(rates, "wall" if clock.cuda else "cpu", n_slots, keys, vals, dots, elt)
+            model = f"{160 * r:.1f}" if m.startswith("rcr") else "-"
+            xb = f"{med[m] / med['bacon']:7.2f}" if "bacon" in med else f"{'-':>7}"
+            print(f"{np_:>6} {m:>10} {med[m] * 1e6:>8.0f} {statistics.median(wall[m]) * 1e6:>8.0f} {floor * 1e6:>8.0f} "
+                  f"{med[m] / floor:>7.2f} {med[m] / med['full']:>6.3f} {xb} {n_slots:>6.0f} {r:>5.2f} "
+                  f"{keys + vals:>6.1f} {model:>10} {dots:>6.0f} {np_ / 16:>6.0f}", flush=True)
+        ratios = [f"{a} / {b} = {med[a] / med[b]:.3f}" for a, b in (("rcr", "bacon"), ("rcr", "full"),
+                                                                     ("full", "full(gqa)")) if a in med and b in med]
+        if ratios:
+            print(f"{np_:>6} in CPU time: " + "; ".join(ratios), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- model mode

@@ -42,9 +42,10 @@ class DecodeSession:
         if self.decides and window is None:
             d = self.method.decide(StepContext(layer=layer, step=self.step, query=query, resident=res,
                                                prefix=self.method_prefix, state=self.state,
-                                               config=self.method.config, reader=self.reader))
+                                               config=self.method.config, reader=self.reader, telemetry=self.tel))
             self.method.merge(res, d)
-            self.tel.record_decision(layer, self.step, d, self.cost)
+            if not d.recorded:  # rcr::decide records its own decision (Decision.recorded)
+                self.tel.record_decision(layer, self.step, d, self.cost)
         valid = res.resident_valid if self.masked else None
         if window is not None:  # its slots are the whole sequence in order: the last `window` are visible
             valid = res.in_window(window)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# rcr::decide (rcr/csrc/decide.cpp) writes RCR's decision straight into the first six, in this order
 FIELDS_FLOAT = ("drift", "tau", "trigger", "keys_read", "values_read", "detector_dots", "recalled")
 
 

@@ -1,83 +1,161 @@
-// The detector pass of RCR's decode-time decision as one CPU kernel, the op rcr::detector_pass (rcr/fused.py;
-// docs/algorithms.md, "rcr" and "Cost per decode step").
+// The detector pass of RCR's decode-time decision, the op rcr::detector_pass (rcr/fused.py; docs/algorithms.md, "rcr"
+// and "The fused CPU kernels").
 //
 // Per (sample b, KV head h), from the rank-r query projections qr (G, r) and the projected prefix keys
 // P = K~^T (r, Np):
 //   logits  l[g, n] = scaling * qr[g] . P[:, n]             (-inf where the prefix entry is padding), except that
 //                     a kept entry n = selection[j] takes its exact logit kept[g, j] when kept is given
-//   lse_ev[g]       = log sum_{n evicted} exp(l[g, n])      (-inf when no valid entry is evicted)
+//   lse_ev[g]       = log sum_{n evicted} exp(l[g, n])      (-inf when no valid entry is evicted; the evicted
+//                     entries' logits are the approximate ones)
 //   scores[n]       = mean_g p[g, n] (mean_prob) or max_g l[g, n] (max_logit); -inf where padding, with
 //                     p[g, n] = softmax_n(l[g, :])[n], or exp(l[g, n] - logaddexp(lse_res[g], lse_ev[g])) when
 //                     lse_res (the exact log-sum-exp over the resident slots) is given: the probability under the
 //                     query head's whole context
 // The composed torch version (rcr.detector.Detector.evicted_lse_and_scores) writes the (G, Np) logits out and
-// reads them back in five separate passes; here they are formed once, kept in a per-thread scratch that fits
-// in L2, and reduced in two more passes (exponentials, then the head mean), 8 lanes at a time. The kept entries'
-// exact logits are written into the scratch between the first two passes (S entries per query head).
-#include <ATen/ATen.h>
+// reads them back in five separate passes. Here phase A forms them with one read of P for all G query heads, into a
+// scratch that stays in cache, and takes their exponentials against each row's maximum, the kept entries left out
+// (so the sum is the evicted mass); phase B, which only a refresh needs, puts the kept entries' exponentials back
+// and takes the head mean. Scratch buffers live with the thread: a step allocates nothing but its outputs.
+#include "detector_pass.h"
+
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-
-#include <algorithm>
-#include <cmath>
-#include <limits>
-#include <optional>
-#include <vector>
-
 #include <torch/library.h>
+
+#include "kernels.h"
+
+namespace rcr_kernels {
+
+int64_t padded_length(int64_t Np) { return (Np + kW - 1) / kW * kW; }
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-float hsum(const Vec& v) {
-  float buf[Vec::size()];
-  v.store(buf);
-  float s = 0.f;
-  for (int i = 0; i < Vec::size(); ++i) s += buf[i];
-  return s;
-}
-
-float hmax(const Vec& v) {
-  float buf[Vec::size()];
-  v.store(buf);
-  float m = kNegInf;
-  for (int i = 0; i < Vec::size(); ++i) m = std::max(m, buf[i]);
-  return m;
-}
-
-// Logits l[g, n] = scaling * q[g] . P[:, n] + bias[n] into E (G, Npad), their running max per row into vmax, and
-// (max_logit) the max over g into out_scores. RC > 0: the rank at compile time; 0: any rank R.
-template <int64_t RC>
-void logits_pass(const float* q, const float* P, int64_t R, int64_t G, int64_t Np, int64_t Npad, float sc,
-                 const float* bias, float* E, Vec* vmax, float* out_scores, bool mean_prob) {
-  constexpr int64_t W = Vec::size();
-  for (int64_t n0 = 0; n0 < Npad; n0 += W) {
-    const int64_t cnt = std::min(W, Np - n0);
-    const Vec vb = Vec::loadu(bias + n0);
+// Pass 1 of phase A: E[g, :] = sc * q[g] . P[:, n] (+ bias), vmax[g] their lane-wise running maxima and (max_scores)
+// the max over g. RC > 0: the rank at compile time, with the block of P loaded once for all G; 0: any rank R.
+template <int64_t RC, bool kMaxScores>
+void logits_pass(const DetectorHead& h, float* E, Vec* vmax, float* max_scores) {
+  const int64_t G = h.G, R = RC > 0 ? RC : h.R, Np = h.Np, Npad = padded_length(Np);
+  const Vec vsc(h.sc);
+  for (int64_t n0 = 0; n0 < Npad; n0 += kW) {
+    const int64_t cnt = std::min(kW, Np - n0);
     Vec p[RC > 0 ? RC : 1];
-    if constexpr (RC > 0) {
-      for (int64_t k = 0; k < RC; ++k) p[k] = Vec::loadu(P + k * Np + n0, cnt);
-    }
+    for (int64_t k = 0; k < R; ++k) __builtin_prefetch(h.P + k * Np + n0 + 8 * kW);  // R streams, 8 vectors ahead
+    if constexpr (RC > 0)
+      for (int64_t k = 0; k < RC; ++k) p[k] = Vec::loadu(h.P + k * Np + n0, cnt);
     Vec head_max(kNegInf);
     for (int64_t g = 0; g < G; ++g) {
+      const float* q = h.qr + g * R;
       Vec acc(0.f);
-      if constexpr (RC > 0) {
-        for (int64_t k = 0; k < RC; ++k) acc = at::vec::fmadd(Vec(q[g * RC + k]), p[k], acc);
-      } else {
-        for (int64_t k = 0; k < R; ++k) acc = at::vec::fmadd(Vec(q[g * R + k]), Vec::loadu(P + k * Np + n0, cnt), acc);
+      for (int64_t k = 0; k < R; ++k)
+        acc = at::vec::fmadd(Vec(q[k]), RC > 0 ? p[k] : Vec::loadu(h.P + k * Np + n0, cnt), acc);
+      acc = acc * vsc;
+      if (h.bias != nullptr) {
+        acc = acc + Vec::loadu(h.bias + n0);
+      } else if (cnt < kW) {
+        acc = Vec::set(Vec(kNegInf), acc, cnt);  // lanes past Np
       }
-      acc = acc * Vec(sc) + vb;
       acc.store(E + g * Npad + n0);
       vmax[g] = at::vec::maximum(vmax[g], acc);
-      head_max = at::vec::maximum(head_max, acc);
+      if constexpr (kMaxScores) head_max = at::vec::maximum(head_max, acc);
     }
-    if (!mean_prob) head_max.store(out_scores + n0, cnt);
+    if constexpr (kMaxScores) head_max.store(max_scores + n0, cnt);
   }
 }
 
 }  // namespace
+
+void detector_phase_a(const DetectorHead& h, const HeadScratch& s, float* lse_ev, float* max_scores) {
+  const int64_t G = h.G, S = h.S, Npad = padded_length(h.Np);
+  Vec* vmax = scratch<Vec, 0>(G);
+  std::fill(vmax, vmax + G, Vec(kNegInf));
+  if (max_scores != nullptr) {
+    logits_pass<0, true>(h, s.E, vmax, max_scores);  // max_logit, an ablation
+  } else {
+    switch (h.R) {  // the common ranks unrolled
+      case 4: logits_pass<4, false>(h, s.E, vmax, nullptr); break;
+      case 8: logits_pass<8, false>(h, s.E, vmax, nullptr); break;
+      case 16: logits_pass<16, false>(h, s.E, vmax, nullptr); break;
+      default: logits_pass<0, false>(h, s.E, vmax, nullptr);
+    }
+  }
+  // the kept entries' logits into K, exact (-inf on padding) or approximate as formed, then out of the rows
+  for (int64_t g = 0; g < G; ++g) {
+    const float* e = s.E + g * Npad;
+    for (int64_t j = 0; j < S; ++j) {
+      const int64_t n = h.sel[j];
+      s.K[g * S + j] = h.kept != nullptr ? h.kept[g * S + j] + (h.bias != nullptr ? h.bias[n] : 0.f) : e[n];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < S; ++j) s.E[g * Npad + h.sel[j]] = kNegInf;
+  if (max_scores != nullptr)
+    for (int64_t j = 0; j < S; ++j) {
+      float head_max = kNegInf;
+      for (int64_t g = 0; g < G; ++g) head_max = std::max(head_max, s.K[g * S + j]);
+      max_scores[h.sel[j]] = head_max;
+    }
+  // pass 2: exponentials against each row's maximum (over the kept entries' logits too); their sum is the evicted mass
+  for (int64_t g = 0; g < G; ++g) {
+    float* e = s.E + g * Npad;
+    float m = lanes_max(vmax[g]);
+    for (int64_t j = 0; j < S; ++j) m = std::max(m, s.K[g * S + j]);
+    s.m[g] = m;
+    if (m == kNegInf) {  // no valid entry in this sample: nothing to normalise, nothing evicted
+      std::fill(e, e + Npad, 0.f);
+      s.ev[g] = 0.f;
+      lse_ev[g] = kNegInf;
+      continue;
+    }
+    const Vec vm(m);
+    Vec ve(0.f);
+    for (int64_t n0 = 0; n0 < Npad; n0 += kW) {
+      const Vec x = vexp(Vec::loadu(e + n0) - vm);
+      x.store(e + n0);
+      ve = ve + x;
+    }
+    s.ev[g] = lanes_sum(ve);
+    lse_ev[g] = s.ev[g] > 0.f ? m + std::log(s.ev[g]) : kNegInf;
+  }
+}
+
+void detector_phase_b(const DetectorHead& h, const HeadScratch& s, const float* lse_ev, const float* lse_res,
+                      float* scores) {
+  const int64_t G = h.G, S = h.S, Np = h.Np, Npad = padded_length(Np);
+  float* f = scratch<float, 10>(G + S);  // per head, the factor that takes exp(l - m) to its probability
+  float* kx = f + G;                    // (S) one head's kept exponentials
+  for (int64_t g = 0; g < G; ++g) {
+    float* e = s.E + g * Npad;
+    const float m = s.m[g];
+    if (m == kNegInf) {
+      f[g] = 0.f;
+      continue;
+    }
+    float sum = s.ev[g];
+    for (int64_t j = 0; j < S; j += kW) {
+      const int64_t cnt = std::min(kW, S - j);
+      vexp(Vec::loadu(s.K + g * S + j, cnt) - Vec(m)).store(kx + j, cnt);
+    }
+    for (int64_t j = 0; j < S; ++j) e[h.sel[j]] = kx[j], sum += kx[j];
+    if (lse_res == nullptr) {  // the softmax over the prefix
+      f[g] = sum > 0.f ? 1.f / sum : 0.f;
+    } else {  // the context's normaliser
+      const float norm = logaddexp(lse_res[g], lse_ev[g]);
+      f[g] = norm == kNegInf ? 0.f : std::exp(m - norm);
+    }
+  }
+  const Vec vg(static_cast<float>(G));
+  for (int64_t n0 = 0; n0 < Npad; n0 += kW) {
+    const int64_t cnt = std::min(kW, Np - n0);
+    Vec acc(0.f);
+    for (int64_t g = 0; g < G; ++g) acc = acc + Vec::loadu(s.E + g * Npad + n0) * Vec(f[g]);
+    acc = acc / vg;
+    if (h.bias != nullptr) acc = acc + Vec::loadu(h.bias + n0);
+    acc.store(scores + n0, cnt);
+  }
+}
+
+}  // namespace rcr_kernels
+
+using namespace rcr_kernels;
 
 std::tuple<at::Tensor, at::Tensor> detector_pass(const at::Tensor& qr_in, const at::Tensor& proj_in,
                                                  const at::Tensor& sel_in, const std::optional<at::Tensor>& valid_in,
@@ -90,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor> detector_pass(const at::Tensor& qr_in, const 
               "rcr::detector_pass: qr and projected_t must be float32");
   TORCH_CHECK(qr_in.dim() == 4 && proj_in.dim() == 4 && sel_in.dim() == 3, "rcr::detector_pass: bad ranks");
   const int64_t B = qr_in.size(0), H = qr_in.size(1), G = qr_in.size(2), R = qr_in.size(3);
-  const int64_t Np = proj_in.size(3), S = sel_in.size(2);
+  const int64_t Np = proj_in.size(3), S = sel_in.size(2), Npad = padded_length(Np);
   TORCH_CHECK(proj_in.size(0) == B && proj_in.size(1) == H && proj_in.size(2) == R,
               "rcr::detector_pass: projected_t must be (B, Hkv, r, Np) for qr (B, Hkv, G, r)");
   TORCH_CHECK(sel_in.size(0) == B && sel_in.size(1) == H && sel_in.scalar_type() == at::kLong,
@@ -111,111 +189,34 @@ std::tuple<at::Tensor, at::Tensor> detector_pass(const at::Tensor& qr_in, const 
   if (lse_res_in.has_value()) {
     lse_res = lse_res_in->contiguous();
     TORCH_CHECK(lse_res.scalar_type() == at::kFloat && lse_res.dim() == 3 && lse_res.size(0) == B &&
-                lse_res.size(1) == H && lse_res.size(2) == G, "rcr::detector_pass: lse_res must be float32 (B, Hkv, G)");
+                lse_res.size(1) == H && lse_res.size(2) == G,
+                "rcr::detector_pass: lse_res must be float32 (B, Hkv, G)");
   }
+  const int64_t* sd = sel.data_ptr<int64_t>();
+  for (int64_t i = 0; i < sel.numel(); ++i)
+    TORCH_CHECK(sd[i] >= 0 && sd[i] < Np, "rcr::detector_pass: selection index ", sd[i], " outside the prefix [0, ",
+                Np, ")");
   at::Tensor lse_ev = at::empty({B, H, G}, qr.options());
   at::Tensor scores = at::empty({B, H, Np}, qr.options());
-
-  const float* qd = qr.data_ptr<float>();
-  const float* pd = proj.data_ptr<float>();
-  const int64_t* sd = sel.data_ptr<int64_t>();
-  const bool* vd = valid.defined() ? valid.data_ptr<bool>() : nullptr;
-  const float* kd = kept.defined() ? kept.data_ptr<float>() : nullptr;
-  const float* rd = lse_res.defined() ? lse_res.data_ptr<float>() : nullptr;
-  float* lo = lse_ev.data_ptr<float>();
-  float* so = scores.data_ptr<float>();
-  const float sc = static_cast<float>(scaling);
-  constexpr int64_t W = Vec::size();
-  const int64_t Npad = (Np + W - 1) / W * W;  // scratch rows padded to whole vectors; the pad lanes are -inf
-
+  // per sample, 0 on valid entries and -inf on padding and past Np
+  float* bias = valid.defined() ? scratch<float, 20>(B * Npad) : nullptr;
+  if (bias != nullptr) {
+    const bool* vd = valid.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t n = 0; n < Npad; ++n) bias[b * Npad + n] = (n < Np && vd[b * Np + n]) ? 0.f : kNegInf;
+  }
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> E(G * Npad);  // logits, then their exponentials: (G, Npad)
-    std::vector<float> bias(Npad);   // 0 on valid entries, -inf on padding and pad lanes
-    std::vector<float> evicted(Npad);  // 1 on evicted entries
-    std::vector<float> m(G), s(G), kmax(G);
-    std::vector<Vec> vmax(G);
+    const HeadScratch s{scratch<float, 21>(G * Npad), scratch<float, 22>(G * S), scratch<float, 23>(G),
+                        scratch<float, 24>(G)};
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H;
-      const float* q = qd + bh * G * R;
-      const float* P = pd + bh * R * Np;
-      for (int64_t n = 0; n < Npad; ++n) bias[n] = (n < Np && (vd == nullptr || vd[b * Np + n])) ? 0.f : kNegInf;
-      std::fill(evicted.begin(), evicted.end(), 0.f);
-      std::fill(evicted.begin(), evicted.begin() + Np, 1.f);
-      for (int64_t j = 0; j < S; ++j) {
-        const int64_t n = sd[bh * S + j];
-        TORCH_CHECK(n >= 0 && n < Np, "rcr::detector_pass: selection index ", n, " outside the prefix [0, ", Np, ")");
-        evicted[n] = 0.f;
-      }
-      std::fill(vmax.begin(), vmax.end(), Vec(kNegInf));
-      float* out_scores = so + bh * Np;
-
-      // pass 1: the logits, their row maxima, and (max_logit) the max over the query heads
-      switch (R) {  // the common ranks unrolled, with the block of P loaded once for all G query heads
-        case 4: logits_pass<4>(q, P, R, G, Np, Npad, sc, bias.data(), E.data(), vmax.data(), out_scores, mean_prob); break;
-        case 8: logits_pass<8>(q, P, R, G, Np, Npad, sc, bias.data(), E.data(), vmax.data(), out_scores, mean_prob); break;
-        case 16: logits_pass<16>(q, P, R, G, Np, Npad, sc, bias.data(), E.data(), vmax.data(), out_scores, mean_prob); break;
-        default: logits_pass<0>(q, P, R, G, Np, Npad, sc, bias.data(), E.data(), vmax.data(), out_scores, mean_prob);
-      }
-      // the kept entries' exact logits in place of their approximate ones (and in the max over the heads)
-      std::fill(kmax.begin(), kmax.end(), kNegInf);
-      if (kd != nullptr) {
-        const float* kl = kd + bh * G * S;  // (G, S)
-        for (int64_t j = 0; j < S; ++j) {
-          const int64_t n = sd[bh * S + j];
-          float head_max = kNegInf;
-          for (int64_t g = 0; g < G; ++g) {
-            const float v = kl[g * S + j] + bias[n];  // -inf where the kept entry is padding
-            E[g * Npad + n] = v;
-            kmax[g] = std::max(kmax[g], v);
-            head_max = std::max(head_max, v);
-          }
-          if (!mean_prob) out_scores[n] = head_max;
-        }
-      }
-      // pass 2: exponentials against each row's max, the row sums and the evicted sums
-      for (int64_t g = 0; g < G; ++g) {
-        float* e = E.data() + g * Npad;
-        m[g] = std::max(hmax(vmax[g]), kmax[g]);
-        if (m[g] == kNegInf) {  // no valid entry in this sample: nothing to normalise, nothing evicted
-          std::fill(e, e + Npad, 0.f);
-          s[g] = 0.f;
-          lo[bh * G + g] = kNegInf;
-          continue;
-        }
-        const Vec vm(m[g]);
-        Vec vs(0.f), ve(0.f);
-        for (int64_t n0 = 0; n0 < Npad; n0 += W) {
-          const Vec x = (Vec::loadu(e + n0) - vm).exp();
-          x.store(e + n0);
-          vs = vs + x;
-          ve = at::vec::fmadd(x, Vec::loadu(evicted.data() + n0), ve);
-        }
-        s[g] = hsum(vs);
-        const float ev = hsum(ve);
-        lo[bh * G + g] = ev > 0.f ? m[g] + std::log(ev) : kNegInf;
-      }
-      // pass 3 (mean_prob): the mean over the query heads of the normalised probabilities; s[g] becomes the factor
-      // that takes exp(l - m) to them: 1 / (row sum), or exp(m - norm) with the context's normaliser
-      // norm = logaddexp(lse_res, lse_ev)
-      if (mean_prob) {
-        for (int64_t g = 0; g < G; ++g) {
-          if (rd == nullptr || s[g] == 0.f) {
-            s[g] = s[g] > 0.f ? 1.f / s[g] : 0.f;
-            continue;
-          }
-          const float a = rd[bh * G + g], b_ = lo[bh * G + g];
-          const float hi = std::max(a, b_);
-          const float norm = hi == kNegInf ? kNegInf : hi + std::log1p(std::exp(std::min(a, b_) - hi));
-          s[g] = norm == kNegInf ? 0.f : std::exp(m[g] - norm);
-        }
-        const Vec vg(static_cast<float>(G));
-        for (int64_t n0 = 0; n0 < Npad; n0 += W) {
-          const int64_t cnt = std::min(W, Np - n0);
-          Vec acc(0.f);
-          for (int64_t g = 0; g < G; ++g) acc = acc + Vec::loadu(E.data() + g * Npad + n0) * Vec(s[g]);
-          (acc / vg + Vec::loadu(bias.data() + n0)).store(out_scores + n0, cnt);
-        }
-      }
+      const DetectorHead h{qr.data_ptr<float>() + bh * G * R, proj.data_ptr<float>() + bh * R * Np, sd + bh * S,
+                           kept.defined() ? kept.data_ptr<float>() + bh * G * S : nullptr,
+                           bias != nullptr ? bias + (bh / H) * Npad : nullptr, G, R, Np, S,
+                           static_cast<float>(scaling)};
+      float* lo = lse_ev.data_ptr<float>() + bh * G;
+      float* so = scores.data_ptr<float>() + bh * Np;
+      detector_phase_a(h, s, lo, mean_prob ? nullptr : so);
+      if (mean_prob) detector_phase_b(h, s, lo, lse_res.defined() ? lse_res.data_ptr<float>() + bh * G : nullptr, so);
     }
   });
   return {lse_ev, scores};

@@ -33,8 +33,9 @@ from ..scoring import top_sorted
 @dataclass
 class Decision:
     trigger: torch.Tensor  # (B,) or (B, Hkv) bool: refresh the selected slots of this layer (per KV head)
-    # (B, Hkv, S) candidate selection, merged where trigger is set. None: nothing to merge (offload mode, when
-    # the host saw that no trigger fired and therefore read nothing; a scorer with no score at this layer-step)
+    # (B, Hkv, S) candidate selection, merged where trigger is set; a row that did not fire is never merged, and
+    # rcr::decide leaves its current selection there. None: nothing to merge (offload mode, when the host saw that
+    # no trigger fired and therefore read nothing; a scorer with no score at this layer-step)
     selection: torch.Tensor | None
     drift: torch.Tensor | None = None  # (B,) estimated drift of this layer-step
     tau: torch.Tensor | None = None  # (B,) threshold the trigger was compared against
@@ -49,6 +50,9 @@ class Decision:
     # (B,) entries per KV head (mean over KV heads) that a method with its own page cache recalled into it at
     # this layer-step (ArkVale): its own traffic, recorded beside the reads of the cost model, never instead
     recalled: torch.Tensor | None = None
+    # already merged into the resident layer, and recorded in ``StepContext.telemetry``, by the method (rcr::decide)
+    merged: bool = False
+    recorded: bool = False
 
 
 @dataclass
@@ -65,6 +69,8 @@ class StepContext:
     # how prefix entries reach the device (``rcr.offload``): a resident gather (GPU-only mode, the default) or
     # host-memory reads issued only where the trigger fired (offload mode)
     reader: Any = None
+    # the decode's Telemetry, for a method that records its decision itself (Decision.recorded); None: it does not
+    telemetry: Any = None
 
     def __post_init__(self):
         if self.reader is None:
@@ -157,7 +163,7 @@ class Method:
 
     # --- mechanics (not overridden by methods; tests may override ``merge`` with a branching reference) ---
     def merge(self, resident: ResidentLayer, decision: Decision) -> None:
-        if decision.selection is None:  # offload mode: no trigger fired, nothing was read
+        if decision.selection is None or decision.merged:  # offload mode: nothing fired, nothing read; or done
             return
         resident.refresh(decision.trigger, decision.selection, decision.keys, decision.values)
 

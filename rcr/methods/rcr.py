@@ -6,15 +6,16 @@ Per decode layer-step, before attention, with the current post-RoPE query q:
    evicted and exact logits for the resident entries: sigmoid(LSE(z~_evicted) - LSE(z_resident)),
    averaged over the G query heads and the KV heads of the layer. The one pass over the detector logits
    (``Detector.evicted_lse_and_scores``) also gives the candidate scores; on CPU it is a fused C++ kernel, and an
-   eager layer-step runs steps 1-3 as one C++ op (``rcr.fused``).
+   eager layer-step runs steps 1-4 as one C++ op (``rcr.fused``, ``_decide_op``).
 2. trigger = drift > tau.
-3. Candidates, computed in every layer: the top C of the whole prefix ranked by the kept entries' exact logits
-   (the resident slots') and the evicted entries' approximate ones, re-scored exactly with their keys; the top
-   S are the new selection (C key + S value reads). ``mean_prob`` takes each query head's probability under its
+3. Candidates, computed in every layer (by the eager CPU op only in the rows that fired, the only ones merged):
+   the top C of the whole prefix ranked by the kept entries' exact logits (the resident slots') and the evicted
+   entries' approximate ones, re-scored exactly with their keys; the top S are the new selection (C key + S value
+   reads). ``mean_prob`` takes each query head's probability under its
    whole context's softmax, normalised by logaddexp(LSE(z_resident), LSE(z~_evicted)), the drift's two terms.
    ``kept_logits="approx"`` and ``prob_norm="scored"`` are the ablations (docs/algorithms.md, "rcr").
-4. The base merges under the trigger with torch.where (on CPU, eagerly: row copies where it fired,
-   ``ResidentLayer.refresh``); tau is updated by the rate controller.
+4. The base merges under the trigger with torch.where (on CPU, eagerly: row copies where it fired, by the op
+   itself for these methods); tau is updated by the rate controller.
 
 Prefix keys and values are read only through ``ctx.reader`` (``rcr.offload``): in GPU-only mode the reads are
 issued every layer-step and the merge is masked; in offload mode (``config.offload``) the host sees the
@@ -43,12 +44,15 @@ class RCRState:
     tau: torch.Tensor  # (B,) shared by all layers of a sample, or (B, L) per layer
     detector_dots: torch.Tensor  # (B,) the detector's cost per layer-step: valid prefix entries x rank / head dim
     fused: bool = False  # the detector pass runs as rcr.fused's CPU kernel
+    # (Hkv + 1, B): the threshold's factor when k of the Hkv KV heads refreshed (RCR.tau_factors); None: fixed
+    tau_factors: torch.Tensor | None = None
 
 
 @dataclass
 class DriftRefresh(Method):
     """What ``rcr``, ``fixed`` and ``rcr_layer`` share: the detector, the drift, the candidates and the merge. A
-    subclass says where the threshold comes from (``initial_tau``, ``current_tau``, ``update_tau``)."""
+    subclass says where the threshold comes from (``initial_tau``, ``current_tau``, ``update_tau``, and
+    ``tau_factors`` for the fused op)."""
 
     reselects = True
     supports_offload = True
@@ -82,7 +86,8 @@ class DriftRefresh(Method):
         # decided here, outside the (possibly compiled) decode step
         fused = self.config.fused_kernel and prefix.valid.device.type == "cpu" and fused_kernel_available()
         dots = prefix.prefix_valid.sum(-1).float() * (dets[0].rank / prefix.head_dim)
-        return RCRState(detectors=dets, tau=self.initial_tau(prefix), detector_dots=dots, fused=fused)
+        return RCRState(detectors=dets, tau=self.initial_tau(prefix), detector_dots=dots, fused=fused,
+                        tau_factors=self.tau_factors(prefix) if fused else None)
 
     # the threshold of this layer, and its update: the only differences between rcr, fixed and rcr_layer
     def initial_tau(self, prefix) -> torch.Tensor:
@@ -94,15 +99,21 @@ class DriftRefresh(Method):
     def update_tau(self, state: RCRState, layer: int, f: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def tau_factors(self, prefix) -> torch.Tensor | None:
+        """(Hkv + 1, B): row k is the factor ``update_tau`` applies when k of the Hkv KV heads refreshed (f = k / Hkv;
+        per layer, 0 or 1), for the fused op (``_decide_op``), which multiplies tau by it. None: the threshold does
+        not move."""
+        raise NotImplementedError
+
     def decide(self, ctx: StepContext) -> Decision:
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
+        kept_exact = self.kept_logits == "exact"
+        context = cfg.head_reduction == "mean_prob" and cfg.prob_norm == "context"
+        if st.fused and res.fused_merge and not ctx.reader.offload and not torch.compiler.is_compiling():
+            return self._decide_op(ctx, kept_exact, context)
         det = st.detectors[ctx.layer]
         qg = group_queries(ctx.query, p.n_kv_heads)  # (B, Hkv, G, d)
         padded = res.padded  # masks only where the batch has left padding: otherwise every entry is valid
-        kept_exact = self.kept_logits == "exact"
-        context = cfg.head_reduction == "mean_prob" and cfg.prob_norm == "context"
-        if st.fused and not ctx.reader.offload and not torch.compiler.is_compiling():
-            return self._decide_op(ctx, qg, kept_exact, context)
 
         # 1. estimated drift: exact on resident slots, approximate on evicted prefix entries. The resident slots'
         # exact logits also rank the kept entries (slots [0, S) hold the selection), and with lse_ev give each query
@@ -145,21 +156,23 @@ class DriftRefresh(Method):
         values = ctx.reader.gather(ctx.layer, ctx.step, "values", sel, rows)  # S value reads
         return Decision(selection=sel, keys=keys, values=values, **common)
 
-    def _decide_op(self, ctx: StepContext, qg: torch.Tensor, kept_exact: bool, context: bool) -> Decision:
-        """Steps 1-3 of ``decide`` as one op (rcr/csrc/decide.cpp): the same computation in plain loops, without the
-        ~100 torch calls; the candidates and the selection are still chosen by topk."""
+    def _decide_op(self, ctx: StepContext, kept_exact: bool, context: bool) -> Decision:
+        """The layer-step as one op (rcr/csrc/decide.cpp): steps 1-4 of ``decide`` in plain loops, without the ~100
+        torch calls, the candidates only for the rows that fired. In place: the threshold (by ``tau_factors``), the
+        merge into the resident layer and, with ``ctx.telemetry``, the telemetry record. The selection of a row that
+        did not fire is its current one."""
         p, cfg, st, res = ctx.prefix, self.config, ctx.state, ctx.resident
         det = st.detectors[ctx.layer]
-        tau = self.current_tau(st, ctx.layer).clone()
-        k_p, _ = p.prefix_kv(ctx.layer)
-        trigger, f, drift, sel = torch.ops.rcr.decide(
-            qg, det.basis, det.projected_t, res.resident_keys, res.resident_valid if res.slots_masked else None,
-            res.selection, p.prefix_valid if res.padded else None, k_p, tau, p.scaling,
-            cfg.head_reduction == "mean_prob", self.controller_signal == "heads", self.candidates, res.n_selected,
-            kept_exact, context)
-        self.update_tau(st, ctx.layer, f)
-        # keys and values None: the merge copies the selected rows from the prefix store
-        return Decision(selection=sel, trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots)
+        k_p, v_p = p.prefix_kv(ctx.layer)
+        tel = ctx.telemetry
+        trigger, drift, tau, sel = torch.ops.rcr.decide(
+            ctx.query, det.basis, det.projected_t, res.keys, res.values, res.slot_valid, res.selection, res.n_stored,
+            res.slots_masked, p.prefix_valid if res.padded else None, k_p, v_p, self.current_tau(st, ctx.layer),
+            st.tau_factors, p.scaling, cfg.head_reduction == "mean_prob",
+            self.controller_signal == "heads", self.candidates, kept_exact, context,
+            None if tel is None else tel.decisions, ctx.layer, ctx.step, st.detector_dots)
+        return Decision(selection=sel, trigger=trigger, drift=drift, tau=tau, detector_dots=st.detector_dots,
+                        merged=True, recorded=tel is not None)
 
     def cost_model(self, prefix, state) -> dict:
         return {"keys_per_refresh": min(self.candidates, prefix.n_prefix),
@@ -193,6 +206,15 @@ class RCR(DriftRefresh):
     def update_tau(self, state: RCRState, layer: int, f: torch.Tensor) -> None:
         state.tau.copy_(self.controller.update(state.tau, f))  # in place: a fixed address (CUDA graphs)
 
+    def tau_factors(self, prefix) -> torch.Tensor:
+        """Each row by the controller's own ops on a (B,) tensor, as ``update_tau`` computes it: tau times row k is
+        the torch path's tau to the bit (tau * exp(step * (f - rho)), and 1 * exp(...) is exp(...) exactly). Per
+        layer thresholds (``rcr_layer``) move by the same law, so they share these factors."""
+        B, H, dev = prefix.batch_size, prefix.n_kv_heads, prefix.valid.device
+        f = torch.arange(H + 1, dtype=torch.float32) / H  # = the mean over KV heads of the float trigger
+        return torch.stack([self.controller.update(torch.ones(B, device=dev), torch.full((B,), float(fk), device=dev))
+                            for fk in f])
+
 
 @dataclass
 class Fixed(DriftRefresh):
@@ -212,3 +234,6 @@ class Fixed(DriftRefresh):
 
     def update_tau(self, state, layer, f) -> None:
         pass
+
+    def tau_factors(self, prefix) -> None:
+        return None  # the threshold does not move

@@ -193,17 +193,22 @@ def test_decide_and_merge_rows_reject_bad_inputs():
     qg, det, selection, valid = case(50, True)
     B, H, _, d = qg.shape
     keys = torch.randn(B, H, 50, d)
-    args = dict(qg=qg, basis=det.basis, projected_t=det.projected_t, resident_keys=keys[:, :, :12],
-                resident_valid=None, selection=selection, valid=valid, prefix_keys=keys, tau=torch.zeros(B),
-                scaling=0.25, mean_prob=True, per_head=False, n_candidates=16, n_selected=6, kept_exact=True,
-                context_norm=True)
-    trigger, f, drift, sel = torch.ops.rcr.decide(**args)
-    assert trigger.shape == f.shape == drift.shape == (B,) and sel.shape == (B, H, 6) and sel.dtype == torch.long
+    res = torch.randn(B, H, 20, d)
+    args = dict(query=qg.reshape(B, -1, 1, d), basis=det.basis, projected_t=det.projected_t, keys=res,
+                values=res.clone(), slot_valid=torch.ones(B, H, 20, dtype=torch.bool), selection=selection.clone(),
+                n_stored=12, slots_masked=False, valid=valid, prefix_keys=keys, prefix_values=keys.clone(),
+                tau=torch.zeros(B), tau_factors=torch.ones(H + 1, B), scaling=0.25, mean_prob=True, per_head=False,
+                n_candidates=16, kept_exact=True, context_norm=True, decisions=None, layer=0, t=0,
+                detector_dots=torch.zeros(B))
+    trigger, drift, tau, sel = torch.ops.rcr.decide(**args)
+    assert trigger.shape == drift.shape == tau.shape == (B,) and sel.shape == (B, H, 6) and sel.dtype == torch.long
     assert (sel.diff(dim=-1) > 0).all()  # ascending positions
     bad = {"prefix_keys must be": dict(prefix_keys=keys[:, :, :40]), "tau must be": dict(tau=torch.zeros(B + 1)),
-           "basis must be": dict(basis=det.basis.double()), "n_selected must be": dict(n_selected=17),
-           "resident_keys must be": dict(resident_keys=keys[:, :, :12].double()),
-           "must hold the S kept entries": dict(resident_keys=keys[:, :, :4])}
+           "basis must be": dict(basis=det.basis.double()), "S <= the candidates": dict(n_candidates=5),
+           "of prefix_keys' dtype": dict(keys=res.double()), "must hold the S kept entries": dict(n_stored=4),
+           "decisions must be": dict(decisions=torch.zeros(5, B, 1, 1)),
+           "tau_factors must be": dict(tau_factors=torch.ones(H, B)),
+           "selection index 50 outside": dict(selection=selection.clamp_min(50))}
     for msg, change in bad.items():
         with pytest.raises(RuntimeError, match=msg):
             torch.ops.rcr.decide(**{**args, **change})

@@ -11,7 +11,8 @@ merge gives identical tokens, triggers, taus and resident caches. (tests/rcr/tes
 step to a loop-by-loop reference on random inputs.)
 """
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -99,6 +100,15 @@ def reference_decide(method, ctx) -> Decision:
                     drift=drift, tau=tau)
 
 
+def snapshot(res) -> dict:
+    return {name: getattr(res, name).clone() for name in ("keys", "values", "slot_valid", "selection")}
+
+
+def restore(res, state: dict) -> None:
+    for name, t in state.items():
+        getattr(res, name).copy_(t)
+
+
 def reference_refresh(res, trigger, selection, keys, values) -> None:
     S = res.n_selected
     B, H = selection.shape[:2]
@@ -127,25 +137,38 @@ def twin(label, scale):
         fired: int = 0
 
         def decide(self, ctx):
-            st = ctx.state
+            st, res = ctx.state, ctx.resident
             assert st.fused is rcr.fused.available()  # on CPU, the fused ops' decisions are the ones checked
-            tau_before = st.tau.clone()
+            before, tau_before = snapshot(res), st.tau.clone()
             got = super().decide(ctx)
-            tau_got = st.tau.clone()
+            after, tau_got = snapshot(res), st.tau.clone()
+            restore(res, before)  # the reference decides on the state the method saw
             st.tau = tau_before
             want = reference_decide(self, ctx)
             assert torch.equal(st.tau, tau_got), "tau update"
             assert torch.equal(got.trigger, want.trigger), "trigger"
             assert torch.equal(got.tau, want.tau)
-            assert torch.equal(got.selection, want.selection), "selection"
-            # on CPU the whole decision is one op (rcr::decide) and leaves keys/values to the merge, which copies the
-            # selected rows from the prefix store (rcr::merge_rows)
-            assert (got.keys is None) is st.fused and (got.values is None) is st.fused
-            k_p, v_p = ctx.prefix.prefix_kv(ctx.layer)
-            keys = _gather_heads(k_p, got.selection) if got.keys is None else got.keys
-            values = _gather_heads(v_p, got.selection) if got.values is None else got.values
-            assert torch.equal(keys, want.keys) and torch.equal(values, want.values), "keys/values"
+            B, H = want.selection.shape[:2]
+            rows = want.trigger.view(B, -1).expand(B, H)
+            assert torch.equal(got.selection[rows], want.selection[rows]), "selection where fired"
             torch.testing.assert_close(got.drift, want.drift, rtol=1e-5, atol=1e-7)
+            if st.fused:
+                # on CPU the layer-step is one op (rcr::decide): it re-selects only the rows that fired (the others
+                # keep their selection), merges them into the resident layer and records the decision
+                assert got.merged and got.recorded and got.keys is None and got.values is None
+                assert torch.equal(got.selection[~rows], before["selection"][~rows]), "a row that did not fire"
+                reference_refresh(res, want.trigger, want.selection, want.keys, want.values)
+                for name, t in after.items():
+                    assert torch.equal(getattr(res, name), t), f"merge: {name}"
+                tel = copy.copy(ctx.telemetry)  # the record, against Telemetry.record_decision of the same decision
+                tel.decisions = torch.zeros_like(tel.decisions)
+                tel.record_decision(ctx.layer, ctx.step, replace(got, recorded=False), self.cost_model(ctx.prefix, st))
+                at = (slice(None), slice(None), ctx.layer, ctx.step)
+                torch.testing.assert_close(ctx.telemetry.decisions[at], tel.decisions[at], rtol=0, atol=0,
+                                           equal_nan=True, msg="telemetry")  # bit for bit; NaN where RCR has none
+            else:
+                assert torch.equal(got.selection, want.selection), "selection"
+                assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values), "keys/values"
             self.checked += 1
             self.fired += int(got.trigger.sum())
             return got

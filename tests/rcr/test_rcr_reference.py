@@ -233,7 +233,7 @@ def check(path, label, cfg, state, want_fn=reference_step):
     probe = want_fn(x, cfg, label, [1.0] * prefix.batch_size)
     tau = thresholds(probe, cfg.controller_signal)
     want = want_fn(x, cfg, label, tau)
-    got, tau_after, _ = fast_step(path, label, cfg, prefix, sel, generated, query, tau)
+    got, tau_after, res = fast_step(path, label, cfg, prefix, sel, generated, query, tau)
     trig = torch.tensor(want["trigger"])
     assert torch.equal(got.trigger, trig), "trigger"
     assert trig.any() and (prefix.batch_size == 1 or not trig.all()), "triggers must fire, and not everywhere"
@@ -244,8 +244,27 @@ def check(path, label, cfg, state, want_fn=reference_step):
         assert got.selection is not None
     sel_want = torch.tensor(want["selection"])
     assert torch.equal(got.selection[rows], sel_want[rows]), "selection where fired"
-    if path != "kernel":
+    if path == "torch":  # the composed ops re-select every row; the masked merge keeps the ones that fired
         assert torch.equal(got.selection, sel_want), "selection"
+        assert not got.merged and not got.recorded
+    if path == "decide_op":  # only the rows that fired are re-selected, and the op has merged them
+        assert torch.equal(got.selection[~rows], sel[~rows]), "a row that did not fire keeps its selection"
+        assert got.merged and not got.recorded  # no telemetry in the step context
+        assert_merged(res, prefix, got.selection, sel, rows)
+
+
+def assert_merged(res, prefix, new_sel, old_sel, rows):
+    """The resident slots [0, S) hold the prefix rows of ``new_sel`` where ``rows`` fired, of ``old_sel`` elsewhere;
+    the window and generated slots are untouched."""
+    k_p, v_p = prefix.prefix_kv(LAYER)
+    want = torch.where(rows.unsqueeze(-1), new_sel, old_sel)
+    idx = want.unsqueeze(-1).expand(*want.shape, D)
+    assert torch.equal(res.selection, want)
+    assert torch.equal(res.keys[:, :, :S], torch.gather(k_p, 2, idx))
+    assert torch.equal(res.values[:, :, :S], torch.gather(v_p, 2, idx))
+    assert torch.equal(res.slot_valid[:, :, :S], torch.gather(prefix.prefix_valid.unsqueeze(1).expand(-1, HKV, -1), 2,
+                                                              want))
+    assert torch.equal(res.keys[:, :, S : S + W], prefix.layers[LAYER].keys[:, :, N_PREFIX:])
 
 
 ABLATIONS = {"paper": {}, "approx": {"kept_logits": "approx"}, "scored": {"prob_norm": "scored"},

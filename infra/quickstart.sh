@@ -22,7 +22,9 @@ if [ "${RCR_SKIP_INSTALL:-0}" != 1 ]; then
   fi
   . .venv/bin/activate
   echo "[quickstart] checking the installed packages (importing torch, ray, mlflow takes ~10 s)"
-  if ! python -c "import torch, torchvision, ray, mlflow, rcr, pipeline" 2>/dev/null; then
+  # from /, so that the repo's own folders on the path cannot stand in for the installed packages that
+  # `python jobs/...` imports (an install made before a package was added lacks it)
+  if ! (cd / && python -c "import torch, torchvision, ray, mlflow, rcr, pipeline, embedded") 2>/dev/null; then
     echo "[quickstart] installing (torch 2.14.1 + torchvision 0.29.1, then this repo with the pipeline extras)"
     python -m pip install -q --upgrade pip
     python -m pip install -q torch==2.14.1 torchvision==0.29.1

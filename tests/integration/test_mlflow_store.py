@@ -85,13 +85,18 @@ def project_server(runs: Path, tmp: Path, env: dict) -> Served:
                   tmp / f"server-{port}.log", port)
 
 
-def readme_mlflow_ui(env: dict, tmp: Path) -> Served:
-    """The README's `mlflow ui` command for a stopped store, as written there (its port made free)."""
+def readme_ui_command() -> str:
+    """The README's `mlflow ui` command for a stopped store, as written there, its continuation lines joined."""
     text = (REPO / "README.md").read_text()
     cmds = {" ".join(m.split()) for m in re.findall(r"^(mlflow ui .*?(?:\\\n.*?)?)$", text, re.M)}
     assert len(cmds) == 1, cmds  # one command, given the same way wherever the README gives it
+    return cmds.pop().replace("\\ ", "")
+
+
+def readme_mlflow_ui(env: dict, tmp: Path) -> Served:
+    """The README's `mlflow ui` command, served (its port made free)."""
     port = free_port()
-    cmd = cmds.pop().replace("\\ ", "").replace("--port 5000", f"--port {port}")
+    cmd = readme_ui_command().replace("--port 5000", f"--port {port}")
     assert "--port 5000" not in cmd and f"--port {port}" in cmd
     return Served(["bash", "-c", f"exec {cmd}"], env, tmp / f"ui-{port}.log", port)
 
@@ -143,6 +148,15 @@ def assert_none_running(db: Path, parents: list[str]) -> None:
         assert r.info.status == "FINISHED" and r.data.tags["rcr.complete"] == "1", pid
 
 
+def assert_ui_serves_then_none_running(ui: Served, db: Path, parents: list[str]) -> None:
+    """``ui`` serves every parent's plots; once it is stopped, every run in the store has ended."""
+    try:
+        assert_plots_served(ui, parents)
+    finally:
+        ui.stop()
+    assert_none_running(db, parents)
+
+
 def test_server_first_then_plain_jobs_with_it_up_and_after_it_stops(tmp_path):
     """(a) The project's server makes the store and the experiment (a job through it, as the quickstart's); plain
     jobs then log to the default store, the same database, while it runs and after it stops: the server serves the
@@ -161,11 +175,7 @@ def test_server_first_then_plain_jobs_with_it_up_and_after_it_stops(tmp_path):
     (cmd,) = re.findall(r"^\[mlflow\] to browse the store, run: (mlflow ui .*)$", log, re.M)
     port = free_port()
     ui = Served(["bash", "-c", "exec " + cmd.replace("--port 5000", f"--port {port}")], env, tmp_path / "ui.log", port)
-    try:
-        assert_plots_served(ui, [quick, up, down])
-    finally:
-        ui.stop()
-    assert_none_running(runs / "mlflow.db", [quick, up, down])
+    assert_ui_serves_then_none_running(ui, runs / "mlflow.db", [quick, up, down])
     exp = MlflowClient(f"sqlite:///{runs / 'mlflow.db'}").get_experiment_by_name("rcr-eval")
     assert exp.artifact_location == f"file://{runs / 'mlartifacts'}/{exp.experiment_id}"  # the server's root
 
@@ -203,11 +213,7 @@ def test_readme_mlflow_ui_on_the_stopped_store_serves_the_plots(tmp_path):
         server.stop()
     plain, _ = run_job(tmp_path, "plain", env)
     ui = readme_mlflow_ui(env, tmp_path)
-    try:
-        assert_plots_served(ui, [quick, plain])
-    finally:
-        ui.stop()
-    assert_none_running(runs / "mlflow.db", [quick, plain])
+    assert_ui_serves_then_none_running(ui, runs / "mlflow.db", [quick, plain])
 
 
 def test_a_store_a_proxying_server_made_takes_plain_jobs_and_the_readme_ui_serves_it(tmp_path):
@@ -232,18 +238,11 @@ def test_a_store_a_proxying_server_made_takes_plain_jobs_and_the_readme_ui_serve
     plain, _ = run_job(tmp_path, "plain", env)
     assert (runs / "mlartifacts" / exp.experiment_id / plain / "artifacts" / PLOT).is_file()
     ui = readme_mlflow_ui(env, tmp_path)
-    try:
-        assert_plots_served(ui, [quick, plain])
-    finally:
-        ui.stop()
-    assert_none_running(runs / "mlflow.db", [quick, plain])
+    assert_ui_serves_then_none_running(ui, runs / "mlflow.db", [quick, plain])
 
 
 def test_readme_gives_one_mlflow_ui_command():
     """The command test (c) and (d) run is the one the README gives, with the store's artifact directory."""
-    text = (REPO / "README.md").read_text()
-    cmds = {" ".join(m.split()) for m in re.findall(r"^(mlflow ui .*?(?:\\\n.*?)?)$", text, re.M)}
-    assert len(cmds) == 1
-    argv = shlex.split(cmds.pop().replace("\\ ", ""))
+    argv = shlex.split(readme_ui_command())
     assert argv[argv.index("--backend-store-uri") + 1] == "sqlite:///$HOME/rcr-runs/mlflow.db"
     assert argv[argv.index("--artifacts-destination") + 1] == "$HOME/rcr-runs/mlartifacts"

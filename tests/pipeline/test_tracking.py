@@ -312,11 +312,11 @@ def test_an_experiment_with_proxied_artifacts_is_written_to_the_stores_directory
 
 def test_error_cause_is_one_line_of_whole_words():
     long = ("When an mlflow-artifacts URI was supplied, the tracking URI must be a valid http or https URI, but it "
-            "was currently set to sqlite:////home/u/rcr-runs/mlflow.db. Perhaps you forgot to set the tracking URI "
+            "was currently set to sqlite:////srv/rcr-runs/mlflow.db. Perhaps you forgot to set the tracking URI "
             "to the running MLflow server. To use either of the following:\n - a\n - b")
     cause = mlflow_store.error_cause(RuntimeError(long))
     assert cause == ("RuntimeError: When an mlflow-artifacts URI was supplied, the tracking URI must be a valid http "
-                     "or https URI, but it was currently set to sqlite:////home/u/rcr-runs/mlflow.db")
+                     "or https URI, but it was currently set to sqlite:////srv/rcr-runs/mlflow.db")
     words = " ".join(f"word{i}" for i in range(100))
     short = mlflow_store.error_cause(ValueError(words), limit=50)
     assert "\n" not in short and short.endswith(" …") and len(short) <= len("ValueError: ") + 52

@@ -37,9 +37,10 @@ TASK_METHODS = {
 }
 
 
-def layer_probes(model_name: str, layout: str, n: int, threads: int):
-    """The premise check's per-layer probes (attention profile, detector recall) on ``n`` held-out detailcaps
-    answers, with eager attention (the weights are materialised only there)."""
+def layer_probes(model_name: str, layout: str, picks: dict[str, str], threads: int):
+    """The premise check's per-layer probes (attention profile, detector recall, and the attention profile per
+    drift tercile) on the held-out detailcaps answers ``picks`` names (sample id -> tercile,
+    ``premises.probe_picks``), with eager attention (the weights are materialised only there)."""
     import torch
 
     from embedded.probes.common import held_out_answers
@@ -50,11 +51,17 @@ def layer_probes(model_name: str, layout: str, n: int, threads: int):
     torch.set_num_threads(threads)
     model, processor = load(model_name)
     model.set_attn_implementation("eager")
-    answers = held_out_answers(model, processor, "detailcaps", layout, n, TASKS["detailcaps"].max_new_tokens)
+    index = {sid: int(sid.rsplit("-", 1)[1]) for sid in picks}  # a held-out scene's id ends in its index
+    ids = sorted(picks, key=index.get)
+    answers = held_out_answers(model, processor, "detailcaps", layout, [index[s] for s in ids],
+                               TASKS["detailcaps"].max_new_tokens)
     rcr_ = RCR()  # the paper's budget, detector and candidates
+    per_sample = attention.sample_profiles(model, answers, rcr_.config.selected)
+    by_tercile = {t: attention.mean_profile([p for p, s in zip(per_sample, ids) if picks[s] == t])
+                  for t in dict.fromkeys(picks[s] for s in ids)}
     context = answers[0].inputs["input_ids"].shape[1] + TASKS["detailcaps"].max_new_tokens - 1
-    return attention.profile(model, answers, rcr_.config.selected), detector.probe(model, answers, rcr_), \
-        geometry(model).reselected(context)
+    return attention.mean_profile(per_sample), detector.probe(model, answers, rcr_), \
+        geometry(model).reselected(context), by_tercile
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--json", default=None, help="also write every bar and figure to this file")
     ap.add_argument("--attention-samples", type=int, default=3,
-                    help="detailcaps samples the per-layer probes answer again (0: skip them)")
+                    help="detailcaps samples of each drift tercile the per-layer probes answer again (0: skip "
+                         "them)")
     args = ap.parse_args(argv)
     if args.attention_samples < 0:
         ap.error(f"--attention-samples must be >= 0, got {args.attention_samples}")
@@ -95,8 +103,9 @@ def main(argv=None) -> int:
         tables[task] = B.method_table(task, a)
         bars.append(B.quality_bar(task, a))
         if task == "detailcaps":
-            probes = layer_probes(args.model, args.layout, args.attention_samples, args.threads) \
-                if args.attention_samples else (None, None, None)
+            order = sorted(rows["sample_id"].unique(), key=lambda sid: int(sid.rsplit("-", 1)[1]))
+            probes = layer_probes(args.model, args.layout, premises.probe_picks(a, order, args.attention_samples),
+                                  args.threads) if args.attention_samples else (None, None, None, None)
             figs = premises.figures(a, *probes)
             bars += B.premise_bars(figs, rows) + B.aims(figs)
         if task == "textcaps":

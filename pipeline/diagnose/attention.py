@@ -96,10 +96,10 @@ def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: 
     }
 
 
-def profile(model, answers: list[Answer], selected: int, per_head: bool = False) -> list[dict]:
-    """Per layer, the figures of ``layer_profile`` averaged over ``answers``; with ``per_head`` each layer's dict
-    also holds ``"heads"``: the same figures for each KV head on its own (its G query heads). The model must run
-    eager attention (``model.set_attn_implementation("eager")``)."""
+def sample_profiles(model, answers: list[Answer], selected: int, per_head: bool = False) -> list[list[dict]]:
+    """Per answer, per layer, the figures of ``layer_profile``; with ``per_head`` each layer's dict also holds
+    ``"heads"``: the same figures for each KV head on its own (its G query heads). The model must run eager
+    attention (``model.set_attn_implementation("eager")``)."""
     geo = geometry(model)
     group = geo.n_q_heads // geo.n_kv_heads
     visual = visual_token_ids(model)
@@ -118,8 +118,14 @@ def profile(model, answers: list[Answer], selected: int, per_head: bool = False)
                                             at_cell) for h in range(geo.n_kv_heads)]
             per_layer.append(r)
         rows.append(per_layer)
+    return rows
 
-    def mean(dicts: list[dict]) -> dict:  # over samples, NaN where no sample has the figure (flat, cell)
+
+def mean_profile(rows: list[list[dict]]) -> list[dict]:
+    """Per layer, ``sample_profiles``' figures averaged over its answers (NaN where no answer has the figure: flat,
+    cell), per KV head too where they have ``"heads"``."""
+
+    def mean(dicts: list[dict]) -> dict:
         out = {}
         for k in (k for k in dicts[0] if k != "heads"):
             v = np.array([d[k] for d in dicts], dtype=float)
@@ -129,7 +135,13 @@ def profile(model, answers: list[Answer], selected: int, per_head: bool = False)
     out = []
     for layer in range(len(rows[0])):
         r = mean([s[layer] for s in rows])
-        if per_head:
-            r["heads"] = [mean([s[layer]["heads"][h] for s in rows]) for h in range(geo.n_kv_heads)]
+        if "heads" in rows[0][layer]:
+            r["heads"] = [mean([s[layer]["heads"][h] for s in rows]) for h in range(len(rows[0][layer]["heads"]))]
         out.append(r)
     return out
+
+
+def profile(model, answers: list[Answer], selected: int, per_head: bool = False) -> list[dict]:
+    """Per layer, the figures of ``layer_profile`` averaged over ``answers`` (``sample_profiles``,
+    ``mean_profile``)."""
+    return mean_profile(sample_profiles(model, answers, selected, per_head))

@@ -15,7 +15,9 @@ From a few answers' attention (``attention.profile``, ``detector.probe``), per r
 * **detector recall**: what the rank-r detector's candidates catch of what each step reads, per KV head, and
   whether the most-attended entry (the sink, in most models) is among them;
 * **image share**: the image tokens' share of each answer step's attention (real VLMs put most of it on a few
-  sink and text positions).
+  sink and text positions); and per drift tercile of samples, over the re-selected layers: drift is the share of a
+  step's attention on evicted entries, so a sample whose steps give the image a small share drifts little however
+  far its reading moves.
 """
 
 from __future__ import annotations
@@ -121,12 +123,42 @@ def layer_figures(layers: list[dict], detector: list[list[dict]], treated: tuple
     return out
 
 
+def probe_picks(a, order: list[str], n: int) -> dict[str, str]:
+    """The samples the per-layer probes answer, sample id -> drift tercile: the first ``n`` of each tercile, in
+    ``order`` (the input's sample ids); the first ``n`` samples, as tercile "all", where the rows have none."""
+    per = a.per_sample.drop_duplicates("sample_id").set_index("sample_id")
+    terc = per["drift_tercile"].dropna().to_dict() if "drift_tercile" in per else {}
+    if not terc:
+        return {sid: "all" for sid in order[:n]}
+    picks: dict[str, str] = {}
+    for t in ("low", "mid", "high"):
+        picks |= {sid: t for sid in [s for s in order if terc.get(s) == t][:n]}
+    return picks
+
+
+def tercile_share(by_tercile: dict[str, list[dict]], treated: tuple[bool, ...]) -> list[Figure]:
+    """The image share of a step's attention per drift tercile (``by_tercile``: tercile -> per-layer profile of
+    its probed samples), averaged over the re-selected layers."""
+    if not any(treated):
+        return []
+    share = {t: float(np.mean([p["on_image"] for p, on in zip(layers, treated) if on]))
+             for t, layers in by_tercile.items() if t != "all"}
+    order = [t for t in ("low", "mid", "high") if t in share]
+    if not order:
+        return []
+    return [Figure(f"image share, {' / '.join(order)} drift tercile", " / ".join(f"{share[t]:.3f}" for t in order) +
+                   " (re-selected layers)", "", share[order[0]], f"image_share_tercile_{order[0]}")]
+
+
 def figures(a, layers: list[dict] | None, detector: list[list[dict]] | None,
-            treated: tuple[bool, ...] | None) -> list[Figure]:
-    """The whole premise table: from the rows' analysis ``a`` and, where measured, the per-layer probes."""
+            treated: tuple[bool, ...] | None, by_tercile: dict[str, list[dict]] | None = None) -> list[Figure]:
+    """The whole premise table: from the rows' analysis ``a`` and, where measured, the per-layer probes (over all
+    probed samples, and per drift tercile in ``by_tercile``)."""
     out = dwell(a) + staleness(a) + drift_spread(a)
     if layers is not None and detector is not None:
         out += layer_figures(layers, detector, treated)
+    if by_tercile and treated is not None:
+        out += tercile_share(by_tercile, treated)
     return out
 
 

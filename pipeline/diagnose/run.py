@@ -3,8 +3,9 @@
 1. The pipeline's own job (``pipeline.run.driver``: Ray actors, Parquet, resume) decodes ``full``, ``bacon``,
    ``prefill_oracle``, ``exact`` and ``fixed`` (and any ``--methods`` added) on the first ``--limit`` samples,
    with exact drift and the most-attended prefix position recorded.
-2. On the driver, the model answers the first ``--probe-samples`` of them once more with eager attention, for
-   the per-layer probes (``attention.profile``, ``detector.probe``).
+2. On the driver, the model answers the first ``--probe-samples`` of each drift tercile once more with eager
+   attention, for the per-layer probes (``attention.sample_profiles``, ``detector.probe``): over all of them, and
+   the image share per tercile.
 3. ``premises.figures`` -> one printed table; ``<output dir>/_diagnose/`` gets the figures, per-layer and per-head
    tables (Parquet) and a plot; one MLflow run gets the figures as metrics and those files as artifacts.
 """
@@ -50,8 +51,8 @@ def parser() -> argparse.ArgumentParser:
     p.epilog = EXAMPLES
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--probe-samples", type=int, default=DEFAULT_PROBE_SAMPLES,
-                   help="samples the per-layer probes answer again on the driver, with eager attention (0: skip "
-                        f"them) (default: {DEFAULT_PROBE_SAMPLES})")
+                   help="samples of each drift tercile the per-layer probes answer again on the driver, with eager "
+                        f"attention (0: skip them) (default: {DEFAULT_PROBE_SAMPLES})")
     # the job flags whose default is the premise check's own (job_config), not the evaluation job's
     own = {"limit": f"first N input rows, in shard order (default: {DEFAULT_LIMIT})",
            "methods": f"comma-separated method labels added to the ones the figures need ({', '.join(METHODS)}); "
@@ -95,10 +96,10 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def probes(cfg: JobConfig, n: int):
-    """(attention profile per layer, detector figures per layer and KV head, re-selected layers) on the first
-    ``n`` samples of the job's input, answered on this process's device; (None, None, None) where no sample can be
-    probed."""
+def probes(cfg: JobConfig, picks: dict[str, str]):
+    """(attention profile per layer, detector figures per layer and KV head, re-selected layers, attention profile
+    per layer of each group) on the samples ``picks`` names (sample id -> group: its drift tercile), answered on
+    this process's device; (None, None, None, None) where no sample can be probed."""
     import torch
 
     from pipeline.data.images import load_sample_images
@@ -109,30 +110,35 @@ def probes(cfg: JobConfig, n: int):
     from rcr.models import geometry, load
 
     _, rows, _ = scan_inputs(cfg)
-    samples = []
-    for r in rows[:n]:  # the job's first samples, in shard order
+    samples, groups = [], []
+    for r in (r for r in rows if r.key in picks):  # in shard order
         row = pq.read_table(r.file, columns=["prompt", "images"]).slice(r.row, 1).to_pylist()[0]
         images = load_sample_images(row["images"], cfg.task, cfg.max_frames, cfg.max_image_bytes,
                                     cfg.max_image_pixels)
         samples.append((row["prompt"], images, cfg.task == "video"))
+        groups.append(picks[r.key])
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
     with quiet.quiet_model_loading():
         model, processor = load(cfg.model_path(), device=device, trust_remote_code=cfg.trust_remote_code)
     model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path
     rcfg = RCRConfig(**cfg.rcr)
     # dwell needs two answer steps, the detector a prefix region (a prompt longer than the window)
-    answers = [a for a in attention.greedy_answers(model, processor, samples, cfg.max_new_tokens)
-               if a.answer.shape[1] >= 2 and a.inputs["input_ids"].shape[1] > rcfg.window]
-    if not answers:
+    kept = [(a, g) for a, g in zip(attention.greedy_answers(model, processor, samples, cfg.max_new_tokens), groups)
+            if a.answer.shape[1] >= 2 and a.inputs["input_ids"].shape[1] > rcfg.window]
+    if not kept:
         say(f"probes: no sample has an answer of 2 tokens or more and a prompt longer than the window "
-                   f"({rcfg.window}); the per-layer figures are left out")
-        return None, None, None
-    layers = attention.profile(model, answers, rcfg.selected)
+            f"({rcfg.window}); the per-layer figures are left out")
+        return None, None, None, None
+    answers = [a for a, _ in kept]
+    per_sample = attention.sample_profiles(model, answers, rcfg.selected)
+    by_group = {g: attention.mean_profile([p for p, (_, h) in zip(per_sample, kept) if h == g])
+                for g in dict.fromkeys(g for _, g in kept)}
     context = max(a.inputs["input_ids"].shape[1] for a in answers) + cfg.max_new_tokens - 1  # the decode's longest
     # the detector of the job's first drift-triggered method (its rank and candidates), else rcr's defaults
     drift = [m for m in (parse_method(label, rcfg) for label in cfg.methods) if isinstance(m, DriftRefresh)]
     probed = drift[0] if drift else RCR(rcfg)
-    return layers, detector.probe(model, answers, probed), geometry(model).reselected(context)
+    return attention.mean_profile(per_sample), detector.probe(model, answers, probed), \
+        geometry(model).reselected(context), by_group
 
 
 def layer_frames(layers: list[dict], heads: list[list[dict]], treated) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -201,13 +207,17 @@ def run(cfg: JobConfig, probe_samples: int, argv: list[str] | tuple[str, ...] = 
     df = store.read().to_pandas()
     df = df[(df["config_hash"] == cfg.config_hash) & df["method"].isin(cfg.methods)]
     a = analyze(df, baselines=(BACON, PREFILL_ORACLE))
-    layers = heads = treated = None
+    layers = heads = treated = by_tercile = None
     if probe_samples:
-        say(f"probes: answering {probe_samples} sample(s) again with eager attention")
-        layers, heads, treated = probes(cfg, probe_samples)
-    figs = premises.figures(a, layers, heads, treated)
+        _, rows, _ = scan_inputs(cfg)
+        picks = premises.probe_picks(a, [r.key for r in rows], probe_samples)
+        say(f"probes: answering {len(picks)} sample(s) again with eager attention ({probe_samples} per drift "
+            "tercile)")
+        layers, heads, treated, by_tercile = probes(cfg, picks)
+    figs = premises.figures(a, layers, heads, treated, by_tercile)
     n = int(df["sample_id"].nunique())
-    print(f"\npremise check: {cfg.model}, {cfg.task}, {n} samples ({probe_samples} for the per-layer probes)")
+    print(f"\npremise check: {cfg.model}, {cfg.task}, {n} samples ({probe_samples} per drift tercile for the "
+          "per-layer probes)")
     print(premises.table(figs), flush=True)
     out = Path(cfg.output_dir) / "_diagnose"  # '_': pd.read_parquet(output_dir) skips it
     out.mkdir(parents=True, exist_ok=True)

@@ -28,10 +28,12 @@ def test_the_premise_check_runs_on_the_embedded_model(tmp_path):
     assert "Loading weights" not in r.stdout + r.stderr  # the probes' model load has no progress bar
     table = r.stdout[r.stdout.index("premise check: embedded, detailcaps, 3 samples"):]
     for line in ("top prefix position unchanged", "exact - bacon (fidelity)", "fixed refresh, low / high",
-                 "layer 3: detector recall per KV head", "layer 3: image share"):
+                 "layer 3: detector recall per KV head", "layer 3: image share",
+                 "image share, low / mid / high drift tercile"):
         assert line in table, table
     assert "layer 0:" not in table  # the shipped model's sliding-window layer is never re-selected
     figures = pd.read_parquet(out / "_diagnose" / "figures.parquet")
-    assert set(figures["key"].dropna()) >= {"dwell", "exact_minus_bacon", "fixed_refresh_low", "image_share_layer1"}
+    assert set(figures["key"].dropna()) >= {"dwell", "exact_minus_bacon", "fixed_refresh_low", "image_share_layer1",
+                                               "image_share_tercile_low"}
     assert (out / "_diagnose" / "premises.png").stat().st_size > 0
     assert "MLflow run " in r.stdout

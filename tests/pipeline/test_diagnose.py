@@ -4,6 +4,7 @@ its config adds what the figures need to the user's flags, and it runs on a tiny
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -64,6 +65,32 @@ def test_per_layer_figures_leave_out_layers_that_are_never_reselected():
     assert set(f) == {"detector_recall_min_layer1", "top_entry_candidate_layer1", "image_share_layer1"}
     assert f["detector_recall_min_layer1"].value == "0.90 0.80" and f["detector_recall_min_layer1"].metric == 0.8
     assert f["top_entry_candidate_layer1"].metric == 0.4 and "in basis 0.05" in f["top_entry_candidate_layer1"].value
+
+
+def test_the_probes_answer_the_first_samples_of_each_drift_tercile(fake):
+    """probe_picks: the first n samples (in the given input order) of each drift tercile, by the rows' own terciles;
+    the first n samples where the rows carry no drift."""
+    _, a = fake
+    terc = a.per_sample.drop_duplicates("sample_id").set_index("sample_id")["drift_tercile"]
+    order = sorted(terc.index, reverse=True)
+    picks = premises.probe_picks(a, order, 2)
+    assert sorted(picks.values()) == ["high", "high", "low", "low", "mid", "mid"]
+    for t in ("low", "mid", "high"):
+        assert [s for s in picks if picks[s] == t] == [s for s in order if terc[s] == t][:2]
+    no_drift = dataclasses.replace(a, per_sample=a.per_sample.assign(drift_tercile=pd.NA))
+    assert premises.probe_picks(no_drift, order, 2) == {order[0]: "all", order[1]: "all"}
+
+
+def test_image_share_per_tercile_is_the_mean_over_the_reselected_layers():
+    """One line with each tercile's image share, averaged over the re-selected layers only; no line without a
+    re-selected layer."""
+    by = {"low": [{"on_image": 0.9}, {"on_image": 0.02}, {"on_image": 0.04}],
+          "mid": [{"on_image": 0.9}, {"on_image": 0.1}, {"on_image": 0.2}],
+          "high": [{"on_image": 0.9}, {"on_image": 0.4}, {"on_image": 0.6}]}
+    (f,) = premises.tercile_share(by, (False, True, True))
+    assert f.value.startswith("0.030 / 0.150 / 0.500") and f.metric == pytest.approx(0.03)
+    assert f.name == "image share, low / mid / high drift tercile" and f.key == "image_share_tercile_low"
+    assert premises.tercile_share(by, (False, False, False)) == []
 
 
 def test_the_config_adds_what_the_figures_need_to_the_users_flags(tmp_path):
@@ -131,8 +158,9 @@ def records(n: int) -> list[dict]:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_it_runs_on_a_tiny_model_of_every_family(name, tmp_path, monkeypatch, capsys):
-    """One table, the per-layer figures of every re-selected layer (none of a sliding-window one), the Parquet
-    tables under <output dir>/_diagnose, and one MLflow run with the figures as metrics."""
+    """One table, the per-layer figures of every re-selected layer (none of a sliding-window one) and the image
+    share per drift tercile, the Parquet tables under <output dir>/_diagnose, and one MLflow run with the figures
+    as metrics."""
     from mlflow import MlflowClient
 
     from pipeline.diagnose.run import run
@@ -147,6 +175,7 @@ def test_it_runs_on_a_tiny_model_of_every_family(name, tmp_path, monkeypatch, ca
     assert run(cfg, probe_samples=2) == 0
     out = capsys.readouterr().out
     assert "premise check:" in out and "exact - bacon (fidelity)" in out
+    assert "image share, low / mid / high drift tercile" in out  # 4 samples: 2, 1 and 1 of the terciles probed
     figs = pd.read_parquet(tmp_path / "out" / "_diagnose" / "figures.parquet")
     geo = geometry(tiny_models.FAMILIES[name]()[0])
     layers = pq.read_table(tmp_path / "out" / "_diagnose" / "layers.parquet").to_pandas()

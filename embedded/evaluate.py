@@ -37,9 +37,9 @@ TASK_METHODS = {
 }
 
 
-def layer_probes(model_name: str, layout: str, picks: dict[str, str], threads: int):
+def layer_probes(model_name: str, layout: str, seed: int, picks: dict[str, str], threads: int):
     """The premise check's per-layer probes (attention profile, detector recall, and the attention profile per
-    drift tercile) on the held-out detailcaps answers ``picks`` names (sample id -> tercile,
+    drift tercile) on the detailcaps answers of ``seed``'s scenes that ``picks`` names (sample id -> tercile,
     ``premises.probe_picks``), with eager attention (the weights are materialised only there)."""
     import torch
 
@@ -54,7 +54,7 @@ def layer_probes(model_name: str, layout: str, picks: dict[str, str], threads: i
     index = {sid: int(sid.rsplit("-", 1)[1]) for sid in picks}  # a held-out scene's id ends in its index
     ids = sorted(picks, key=index.get)
     answers = held_out_answers(model, processor, "detailcaps", layout, [index[s] for s in ids],
-                               TASKS["detailcaps"].max_new_tokens)
+                               TASKS["detailcaps"].max_new_tokens, seed)
     rcr_ = RCR()  # the paper's budget, detector and candidates
     per_sample = attention.sample_profiles(model, answers, rcr_.config.selected)
     by_tercile = {t: attention.mean_profile([p for p, s in zip(per_sample, ids) if picks[s] == t])
@@ -104,8 +104,9 @@ def main(argv=None) -> int:
         bars.append(B.quality_bar(task, a))
         if task == "detailcaps":
             order = sorted(rows["sample_id"].unique(), key=lambda sid: int(sid.rsplit("-", 1)[1]))
-            probes = layer_probes(args.model, args.layout, premises.probe_picks(a, order, args.attention_samples),
-                                  args.threads) if args.attention_samples else (None, None, None, None)
+            picks = premises.probe_picks(a, order, args.attention_samples)
+            probes = layer_probes(args.model, args.layout, args.seed, picks, args.threads) \
+                if args.attention_samples else (None, None, None, None)
             figs = premises.figures(a, *probes)
             bars += B.premise_bars(figs, rows) + B.aims(figs)
         if task == "textcaps":

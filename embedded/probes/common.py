@@ -57,12 +57,12 @@ def cell_masks(words: list[str], lay: S.SceneLayout, image: torch.Tensor, grid_t
     return masks
 
 
-def held_out_answers(model, processor, task: str, layout: str, n: int | list[int],
-                     max_new_tokens: int) -> list[Answer]:
+def held_out_answers(model, processor, task: str, layout: str, n: int | list[int], max_new_tokens: int,
+                     seed: int = S.HELDOUT_SEED) -> list[Answer]:
     """The greedy answers to the first ``n`` held-out samples of ``task`` (or those of the indices ``n``), with the
     masks of the flat canvas (single images) and, for descriptions that walk every cell, of each step's described
     cell."""
-    scenes = [S.render(task, S.HELDOUT_SEED, i, layout=layout)[0] for i in (range(n) if isinstance(n, int) else n)]
+    scenes = [S.render(task, seed, i, layout=layout)[0] for i in (range(n) if isinstance(n, int) else n)]
     samples = [(TASKS[task].prompt, [Image.fromarray(f) for f in frames], task == "video") for frames in scenes]
     answers = greedy_answers(model, processor, samples, max_new_tokens)
     visual = visual_token_ids(model)

@@ -209,3 +209,21 @@ def test_quality_gap_counts_only_the_masked_classes_mistakes():
     assert g["texture"] < 1 and g["shape"] < 1 and g["as scored"] < g["texture"]
     wrong_cell = out.replace("column two , nothing", "column two , a small red plain circle")
     assert gap_scores(ref, wrong_cell)["masked"] < 1  # template and occupancy mistakes are never masked
+
+
+def test_held_out_answers_answer_the_scenes_of_the_given_seed_and_indices(monkeypatch):
+    """The evaluation's per-layer probes answer the very scenes whose rows picked them: ``held_out_answers`` renders
+    the given indices of the given seed (the held-out seed by default), so ``--seed`` and the per-tercile picks
+    reach the probed images."""
+    import embedded.probes.common as C
+
+    seen = []
+    monkeypatch.setattr(C, "greedy_answers", lambda model, processor, samples, n: seen.append(samples) or [])
+    monkeypatch.setattr(C, "visual_token_ids", lambda model: set())
+    C.held_out_answers(None, None, "textcaps", "v5", [4, 1], 8, seed=7)
+    C.held_out_answers(None, None, "textcaps", "v5", 2, 8)
+    got = [np.asarray(images[0]) for _, images, _ in seen[0]]
+    assert all(np.array_equal(g, S.render("textcaps", 7, i, layout="v5")[0][0]) for g, i in zip(got, (4, 1)))
+    default = [np.asarray(images[0]) for _, images, _ in seen[1]]
+    assert len(default) == 2 and np.array_equal(default[1], S.render("textcaps", S.HELDOUT_SEED, 1, layout="v5")[0][0])
+    assert not np.array_equal(got[1], default[1])

@@ -57,8 +57,7 @@ def layer_probes(model_name: str, layout: str, seed: int, picks: dict[str, str],
                                TASKS["detailcaps"].max_new_tokens, seed)
     rcr_ = RCR()  # the paper's budget, detector and candidates
     per_sample = attention.sample_profiles(model, answers, rcr_.config.selected)
-    by_tercile = {t: attention.mean_profile([p for p, s in zip(per_sample, ids) if picks[s] == t])
-                  for t in dict.fromkeys(picks[s] for s in ids)}
+    by_tercile = attention.mean_profiles_by(per_sample, [picks[s] for s in ids])
     context = answers[0].inputs["input_ids"].shape[1] + TASKS["detailcaps"].max_new_tokens - 1
     return attention.mean_profile(per_sample), detector.probe(model, answers, rcr_), \
         geometry(model).reselected(context), by_tercile

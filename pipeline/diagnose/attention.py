@@ -141,6 +141,11 @@ def mean_profile(rows: list[list[dict]]) -> list[dict]:
     return out
 
 
+def mean_profiles_by(rows: list[list[dict]], groups: list[str]) -> dict[str, list[dict]]:
+    """``mean_profile`` of each group's answers (``groups``: one label per answer of ``rows``), in first-seen order."""
+    return {g: mean_profile([r for r, h in zip(rows, groups) if h == g]) for g in dict.fromkeys(groups)}
+
+
 def profile(model, answers: list[Answer], selected: int, per_head: bool = False) -> list[dict]:
     """Per layer, the figures of ``layer_profile`` averaged over ``answers`` (``sample_profiles``,
     ``mean_profile``)."""

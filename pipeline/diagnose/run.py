@@ -131,8 +131,7 @@ def probes(cfg: JobConfig, picks: dict[str, str]):
         return None, None, None, None
     answers = [a for a, _ in kept]
     per_sample = attention.sample_profiles(model, answers, rcfg.selected)
-    by_group = {g: attention.mean_profile([p for p, (_, h) in zip(per_sample, kept) if h == g])
-                for g in dict.fromkeys(g for _, g in kept)}
+    by_group = attention.mean_profiles_by(per_sample, [g for _, g in kept])
     context = max(a.inputs["input_ids"].shape[1] for a in answers) + cfg.max_new_tokens - 1  # the decode's longest
     # the detector of the job's first drift-triggered method (its rank and candidates), else rcr's defaults
     drift = [m for m in (parse_method(label, rcfg) for label in cfg.methods) if isinstance(m, DriftRefresh)]

@@ -93,6 +93,21 @@ def test_image_share_per_tercile_is_the_mean_over_the_reselected_layers():
     assert premises.tercile_share(by, (False, False, False)) == []
 
 
+def test_profiles_are_averaged_within_each_group_of_answers():
+    """Each drift tercile's per-layer profile is the mean over its own probed answers only, per KV head too, and the
+    groups keep the order they first appear in."""
+    from pipeline.diagnose.attention import mean_profiles_by
+
+    def answer(x):  # one answer's profile: two layers, two KV heads in the second
+        return [{"on_image": x}, {"on_image": 2 * x, "heads": [{"on_image": x}, {"on_image": 3 * x}]}]
+
+    got = mean_profiles_by([answer(0.1), answer(0.4), answer(0.3)], ["high", "low", "high"])
+    assert list(got) == ["high", "low"]
+    assert got["high"][0]["on_image"] == pytest.approx(0.2) and got["low"][0]["on_image"] == pytest.approx(0.4)
+    assert got["high"][1]["on_image"] == pytest.approx(0.4)
+    assert [h["on_image"] for h in got["high"][1]["heads"]] == pytest.approx([0.2, 0.6])
+
+
 def test_the_config_adds_what_the_figures_need_to_the_users_flags(tmp_path):
     out = str(tmp_path / "o")
     cfg, probes = job_config(["--output-dir", out])

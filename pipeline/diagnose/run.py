@@ -96,10 +96,11 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def probes(cfg: JobConfig, picks: dict[str, str]):
+def probes(cfg: JobConfig, rows: list, picks: dict[str, str]):
     """(attention profile per layer, detector figures per layer and KV head, re-selected layers, attention profile
-    per layer of each group) on the samples ``picks`` names (sample id -> group: its drift tercile), answered on
-    this process's device; (None, None, None, None) where no sample can be probed."""
+    per layer of each group) on the samples of the input's ``rows`` (``scan_inputs``) that ``picks`` names (sample
+    id -> group: its drift tercile), answered on this process's device; (None, None, None, None) where no sample
+    can be probed."""
     import torch
 
     from pipeline.data.images import load_sample_images
@@ -109,7 +110,6 @@ def probes(cfg: JobConfig, picks: dict[str, str]):
     from rcr.methods.rcr import DriftRefresh
     from rcr.models import geometry, load
 
-    _, rows, _ = scan_inputs(cfg)
     samples, groups = [], []
     for r in (r for r in rows if r.key in picks):  # in shard order
         row = pq.read_table(r.file, columns=["prompt", "images"]).slice(r.row, 1).to_pylist()[0]
@@ -212,7 +212,7 @@ def run(cfg: JobConfig, probe_samples: int, argv: list[str] | tuple[str, ...] = 
         picks = premises.probe_picks(a, [r.key for r in rows], probe_samples)
         say(f"probes: answering {len(picks)} sample(s) again with eager attention ({probe_samples} per drift "
             "tercile)")
-        layers, heads, treated, by_tercile = probes(cfg, picks)
+        layers, heads, treated, by_tercile = probes(cfg, rows, picks)
     figs = premises.figures(a, layers, heads, treated, by_tercile)
     n = int(df["sample_id"].nunique())
     print(f"\npremise check: {cfg.model}, {cfg.task}, {n} samples ({probe_samples} per drift tercile for the "

@@ -51,9 +51,8 @@ def layer_probes(model_name: str, layout: str, seed: int, picks: dict[str, str],
     torch.set_num_threads(threads)
     model, processor = load(model_name)
     model.set_attn_implementation("eager")
-    index = {sid: int(sid.rsplit("-", 1)[1]) for sid in picks}  # a held-out scene's id ends in its index
-    ids = sorted(picks, key=index.get)
-    answers = held_out_answers(model, processor, "detailcaps", layout, [index[s] for s in ids],
+    ids = sorted(picks, key=S.scene_index)
+    answers = held_out_answers(model, processor, "detailcaps", layout, [S.scene_index(s) for s in ids],
                                TASKS["detailcaps"].max_new_tokens, seed)
     rcr_ = RCR()  # the paper's budget, detector and candidates
     per_sample = attention.sample_profiles(model, answers, rcr_.config.selected)
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
         tables[task] = B.method_table(task, a)
         bars.append(B.quality_bar(task, a))
         if task == "detailcaps":
-            order = sorted(rows["sample_id"].unique(), key=lambda sid: int(sid.rsplit("-", 1)[1]))
+            order = sorted(rows["sample_id"].unique(), key=S.scene_index)
             picks = premises.probe_picks(a, order, args.attention_samples)
             probes = layer_probes(args.model, args.layout, args.seed, picks, args.threads) \
                 if args.attention_samples else (None, None, None, None)

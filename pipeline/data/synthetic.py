@@ -296,6 +296,11 @@ def encode_png(img: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def scene_index(sample_id: str) -> int:
+    """The scene index a ``make_record`` id ends in (``synthetic-...-s<seed>-<index>``)."""
+    return int(sample_id.rsplit("-", 1)[1])
+
+
 def make_record(task: str, seed: int, index: int, layout: str = DEFAULT_LAYOUT, n_objects: int | None = None) -> dict:
     """One row of the input schema. Scenes of a layout other than v1 carry its name in their id, so two
     layouts' samples never share a key in one output directory; a detailcaps scene with a forced object count

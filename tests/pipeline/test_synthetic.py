@@ -213,6 +213,8 @@ def test_forced_object_count_is_in_the_scene_and_the_id():
     rec = S.make_record("detailcaps", 0, 1, layout="v5", n_objects=3)
     assert rec["sample_id"] == "synthetic-v5-detailcaps-n3-s0-0000001"
     assert rec["sample_id"] != S.make_record("detailcaps", 0, 1, layout="v5", n_objects=4)["sample_id"]
+    for task, layout, n in (("detailcaps", "v5", 3), ("detailcaps", "v1", None), ("video", "v5", None)):
+        assert S.scene_index(S.make_record(task, 12, 1234, layout=layout, n_objects=n)["sample_id"]) == 1234
     for n in (1, 3, 20):
         _, text = S.render("detailcaps", 0, 1, n_objects=n, layout="v5")
         assert len(text.split(" . ")) - text.count("nothing") == n  # 20 clauses, n of them an object

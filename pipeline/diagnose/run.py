@@ -25,6 +25,7 @@ from pipeline.analysis import mlflow_client, mlflow_store
 from pipeline.analysis.analyze import analyze
 from pipeline.analysis.labels import BACON, EXACT, FIXED, FULL, PREFILL_ORACLE
 from pipeline.diagnose import premises
+from pipeline.diagnose.progress import Stage
 from pipeline.quiet import say
 from pipeline.run import driver
 from pipeline.run.cli import build_arg_parser
@@ -118,26 +119,32 @@ def probes(cfg: JobConfig, rows: list, picks: dict[str, str]):
         samples.append((row["prompt"], images, cfg.task == "video"))
         groups.append(picks[r.key])
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
+    say(f"probes: loading the model on {device}")
     with quiet.quiet_model_loading():
         model, processor = load(cfg.model_path(), device=device, trust_remote_code=cfg.trust_remote_code)
     model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path
     rcfg = RCRConfig(**cfg.rcr)
+    every = cfg.progress_every_s
+    with Stage(f"probes: greedy answers (up to {cfg.max_new_tokens} tokens each)", len(samples), every) as stage:
+        answered = attention.greedy_answers(model, processor, samples, cfg.max_new_tokens, done=stage)
     # dwell needs two answer steps, the detector a prefix region (a prompt longer than the window)
-    kept = [(a, g) for a, g in zip(attention.greedy_answers(model, processor, samples, cfg.max_new_tokens), groups)
+    kept = [(a, g) for a, g in zip(answered, groups)
             if a.answer.shape[1] >= 2 and a.inputs["input_ids"].shape[1] > rcfg.window]
     if not kept:
         say(f"probes: no sample has an answer of 2 tokens or more and a prompt longer than the window "
             f"({rcfg.window}); the per-layer figures are left out")
         return None, None, None, None
     answers = [a for a, _ in kept]
-    per_sample = attention.sample_profiles(model, answers, rcfg.selected)
+    with Stage("probes: attention profiles", len(answers), every) as stage:
+        per_sample = attention.sample_profiles(model, answers, rcfg.selected, done=stage)
     by_group = attention.mean_profiles_by(per_sample, [g for _, g in kept])
     context = max(a.inputs["input_ids"].shape[1] for a in answers) + cfg.max_new_tokens - 1  # the decode's longest
     # the detector of the job's first drift-triggered method (its rank and candidates), else rcr's defaults
     drift = [m for m in (parse_method(label, rcfg) for label in cfg.methods) if isinstance(m, DriftRefresh)]
     probed = drift[0] if drift else RCR(rcfg)
-    return attention.mean_profile(per_sample), detector.probe(model, answers, probed), \
-        geometry(model).reselected(context), by_group
+    with Stage("probes: detector recall", len(answers), every) as stage:
+        recall = detector.probe(model, answers, probed, done=stage)
+    return attention.mean_profile(per_sample), recall, geometry(model).reselected(context), by_group
 
 
 def layer_frames(layers: list[dict], heads: list[list[dict]], treated) -> tuple[pd.DataFrame, pd.DataFrame]:

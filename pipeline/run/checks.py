@@ -22,7 +22,7 @@ EMBEDDED = "embedded"
 EMBEDDED_MODEL_DIR = embedded_model_dir()  # package data of rcr: rcr/embedded_model/
 
 # The shape of a Hub id (`owner/name`, or a legacy bare name). Whether it resolves (local cache, or the Hub when
-# online) and is a supported family is the driver's pre-flight (pipeline/preflight.py).
+# online) and is a supported family is the driver's pre-flight (pipeline/run/preflight.py).
 HUB_ID = re.compile(r"[\w][\w.-]*(/[\w][\w.-]*)?")
 
 # Pipeline defaults that differ from the library's: `full` rows record the most-attended prefix position, so

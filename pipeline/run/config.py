@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.paths import default_runs_root, default_tracking_uri  # noqa: F401 - API
 from pipeline.run import checks
 from pipeline.run.checks import EMBEDDED, EMBEDDED_MODEL_DIR, available_methods, model_slug  # noqa: F401 - API
 from pipeline.tasks import TASKS
@@ -43,16 +43,6 @@ def default_max_new_tokens(task: str) -> int:
     if task not in TASKS:
         raise ConfigError("task", f"unknown task '{task}'; choose one of {', '.join(TASKS)}")
     return TASKS[task].max_new_tokens
-
-
-def default_runs_root() -> Path:
-    return Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve()
-
-
-def default_tracking_uri() -> str:
-    """The store every entry point uses unless told otherwise: ``<runs dir>/mlflow.db`` (the local cluster's MLflow
-    server serves the same one; pipeline/analysis/mlflow_store.py)."""
-    return f"sqlite:///{default_runs_root() / 'mlflow.db'}"
 
 
 def _f(default: Any = None, help: str = "", group: str | None = None, *, factory=None, shown: str | None = None,

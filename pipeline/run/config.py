@@ -197,7 +197,7 @@ class JobConfig:
 
     def record(self) -> dict[str, Any]:
         """The config as a job records it (run record, MLflow's params): its fields, and every method's knob
-        defaults (``method_knobs``), which the config hash also covers."""
+        defaults by method (``method_knobs``), which the config hash also covers."""
         from rcr.methods import knob_defaults
 
         return {**self.to_dict(), "method_knobs": knob_defaults()}
@@ -205,12 +205,10 @@ class JobConfig:
     @property
     def config_hash(self) -> str:
         """12 hex digits over the fields that change a row's content (not limit, batching, paths). ``rcr`` counts
-        with every method's knob defaults (``rcr.methods.knob_defaults``): a changed default re-keys the outputs,
+        with the methods' knob defaults (``checks.hashed_knob_defaults``): a changed default re-keys the outputs,
         while a knob set in a label is part of that label, the rows' key."""
-        from rcr.methods import knob_defaults
-
         payload = {k: getattr(self, k) for k in HASHED_FIELDS}
-        payload["rcr"] = {**knob_defaults(), **self.rcr}
+        payload["rcr"] = {**checks.hashed_knob_defaults(checks.method_labels(self.methods)), **self.rcr}
         payload["model_fingerprint"] = checks.model_fingerprint(self.model)
         blob = json.dumps(payload, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]

@@ -35,6 +35,14 @@ def parse_sweep_tau(method: str) -> float | None:
     return float(values["tau"])
 
 
+def method_class(label: str) -> type | None:
+    """The method class of ``label``; None for a label this process cannot read (an unregistered method)."""
+    try:
+        return parse_label(str(label))[0]
+    except ConfigError:
+        return None
+
+
 def _knobs(label: str) -> dict | None:
     """The knobs ``label`` sets, typed; None for a label this process cannot read (an unregistered method)."""
     try:

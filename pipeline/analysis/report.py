@@ -12,6 +12,7 @@ from pipeline.analysis.analyze import Analysis
 from pipeline.analysis.labels import BACON, FIXED, FULL, RCR, method_class
 from pipeline.analysis.text_metrics import rouge_l_f1
 
+WIDTH = 120  # a terminal's columns: every line of the summary fits
 MIN_TRUSTED_N = 10  # fewer samples: the table says that its bootstrap CIs are not to be trusted
 
 
@@ -36,9 +37,6 @@ def _fmt_num(x, digits=3) -> str:
     if x is None or pd.isna(x):
         return "-"
     return f"{x:.{digits}f}"
-
-
-WIDTH = 120  # a terminal's columns: every line of the summary fits
 
 
 def _reads(r: pd.Series) -> str:
@@ -185,11 +183,12 @@ def _fixed_lines(analysis: Analysis, model: str) -> list[str]:
 
 
 def format_summary(analysis: Analysis) -> str:
-    """The table a job prints at the end: per model, one line per method with
-    fidelity mean [95% CI], difference from bacon [CI], difference from rcr [CI], realised refresh
-    fraction, prefix reads (keys + values) per KV head per layer-step, tokens/s, n and errors; then the
-    tuned-fixed comparison (τ* and ``rcr − fixed(τ*)`` on held-out samples, ``rcr −`` the fixed-τ frontier), the
-    tercile table, the correlations and the top-position stability, and a line on how it was measured."""
+    """The table a job prints at the end, every line at most :data:`WIDTH` columns: per model, one line per method
+    with fidelity mean [95% CI], difference from bacon [CI], difference from rcr [CI], realised refresh fraction,
+    prefix reads (keys + values) per KV head per layer-step, tokens/s, n (and errors); the reference metrics; the
+    notes it needs (:func:`_notes`); then the tuned-fixed comparison (τ* and ``rcr − fixed(τ*)`` on held-out
+    samples, ``rcr −`` the fixed-τ frontier), the tercile table, the correlations and the top-position stability,
+    and lines on how it was measured."""
     m = analysis.methods
     lines: list[str] = []
     conf = int(round(analysis.meta.get("confidence", 0.95) * 100))

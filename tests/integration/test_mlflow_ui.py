@@ -23,9 +23,11 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from matplotlib.colors import to_rgb
 from mlflow import MlflowClient
 
 from pipeline.analysis import mlflow_ui, tracking
+from pipeline.analysis.colours import label_colours
 from tests.fake_output import make_output_frame
 from tests.pipeline_helpers import PY, REPO
 from tests.ray_head import free_port
@@ -242,3 +244,8 @@ def test_chart_view_opens_on_the_jobs_charts(served_job, tmp_path):
     labels = re.findall(r'<text[^>]*class="bartext[^"]*"[^>]*>([0-9.]+)</text>', first)  # not the axis ticks
     fidelity = sorted(f"{r.data.metrics['fidelity']:.2f}" for rid, r in s["runs"].items() if rid != s["pid"])
     assert sorted(labels) == fidelity, (labels, fidelity)
+    # each bar in its method's colour (the plots' table; the run's mlflow.runColor tag): one colour per method
+    fills = re.findall(r'<path[^>]*class="point[^"]*"[^>]*>|<g class="point[^"]*">\s*<path[^>]*>', first)
+    bars = {tuple(int(c) for c in m) for m in re.findall(r"fill:\s*rgb\((\d+),\s*(\d+),\s*(\d+)\)", "".join(fills))}
+    want = {tuple(round(255 * c) for c in to_rgb(colour)) for colour in label_colours(METHODS).values()}
+    assert bars == want and len(want) == len(METHODS), (bars, want)

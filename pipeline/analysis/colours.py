@@ -12,25 +12,22 @@ from collections.abc import Iterable
 
 from matplotlib.colors import to_hex, to_rgb
 
-from pipeline.analysis.labels import order_methods
-from rcr.methods import METHODS
-from rcr.methods.knobs import split_label
+from pipeline.analysis.labels import method_class, method_order, order_methods
 
 # in registry order: full grey (the reference), bacon blue, prefill_oracle cyan, exact purple, fixed orange, rcr red,
 # rcr_layer pink, quest green, arkvale brown, infinigen olive (matplotlib's tab10); then ten more for methods added
 PALETTE = ("#7f7f7f", "#1f77b4", "#17becf", "#9467bd", "#ff7f0e", "#d62728", "#e377c2", "#2ca02c", "#8c564b",
            "#bcbd22", "#393b79", "#637939", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354", "#756bb1",
            "#636363", "#ad494a")
-UNKNOWN = "#000000"  # a label of a method this process has not registered
+UNKNOWN = "#000000"  # method_colour of a label whose method this process has not registered
 # the k-th variant of a method: its colour mixed toward white (+) or black (-) by this much (a ninth variant repeats)
 SHADES = (0.45, -0.35, 0.7, -0.6, 0.25, -0.15, 0.85, -0.75)
 
 
-def method_colour(name: str) -> str:
-    """The colour of registered method ``name`` (a label's method: ``rcr@rho=0.3`` -> rcr's)."""
-    order = list(METHODS)
-    name = split_label(name)[0]
-    return PALETTE[order.index(name) % len(PALETTE)] if name in METHODS else UNKNOWN
+def method_colour(label: str) -> str:
+    """The colour of a label's registered method (``rcr@rho=0.3`` -> rcr's)."""
+    cls, order = method_class(label), method_order()
+    return PALETTE[order.index(cls.name) % len(PALETTE)] if cls is not None and cls.name in order else UNKNOWN
 
 
 def shade(colour: str, amount: float) -> str:
@@ -42,14 +39,18 @@ def shade(colour: str, amount: float) -> str:
 
 def label_colours(labels: Iterable[str]) -> dict[str, str]:
     """{label: colour} for one job's labels: a method's own name its colour, its variants (in display order) its
-    shades, so that every label of the job has a colour of its own."""
-    out, seen = {}, {}
+    shades, a label of a method this process has not registered the palette's next free colour: every label of the
+    job has a colour of its own."""
+    out, seen, unknown = {}, {}, len(method_order())
     for label in order_methods(labels):
-        name = split_label(label)[0]
-        base = method_colour(name)
-        if label == name:
+        cls = method_class(label)
+        if cls is None:  # a method this process has not registered: the palette's next colours
+            out[label], unknown = PALETTE[unknown % len(PALETTE)], unknown + 1
+            continue
+        base = method_colour(label)
+        if label == cls.name:
             out[label] = base
             continue
-        k = seen[name] = seen.get(name, -1) + 1
+        k = seen[cls.name] = seen.get(cls.name, -1) + 1
         out[label] = shade(base, SHADES[k % len(SHADES)])
     return out

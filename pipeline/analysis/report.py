@@ -175,8 +175,8 @@ def _fixed_lines(analysis: Analysis, model: str) -> list[str]:
         lines = [f"tuned fixed: {r.get('tuned_note')}"]
     if pd.notna(r.get("frontier_fidelity")):
         lines.append(f"  fixed-tau frontier at rcr's refresh {r.rcr_refresh:.3f} (between "
-                     f"{r.frontier_between.replace(',', ' and ')}; all samples): "
-                     f"{_ci(r, 'frontier_fidelity')}; rcr - frontier {_ci(r, 'diff_frontier', signed=True)}")
+                     f"{r.frontier_between.replace(',', ' and ')}; all samples): {_ci(r, 'frontier_fidelity')}")
+        lines.append(f"  rcr - frontier {_ci(r, 'diff_frontier', signed=True)}")
     if r.get("frontier_note"):
         lines.append(f"  fixed-tau frontier: {r.frontier_note}")
     return lines

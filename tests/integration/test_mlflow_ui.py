@@ -161,6 +161,17 @@ def test_experiment_url_opens_on_the_runs_table(served_job, tmp_path):
     _assert_model_training_view(dom, s["exp"])
 
 
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_the_experiments_list_has_the_switch_a_job_names(served_job, tmp_path):
+    """The UI's own Experiments list links to the experiment with no view (so a fresh browser lands on the GenAI
+    overview), and shows the "GenAI | Model training" switch that a job's last [mlflow] line tells the user to set."""
+    s = served_job
+    dom = _render(f"{s['base']}/#/experiments", tmp_path, lambda d: f'href="#/experiments/{s["exp"]}"' in d)
+    assert f'href="#/experiments/{s["exp"]}"' in dom, dom[-2000:]
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
+    assert "GenAI Model training" in text and "'GenAI | Model training' switch" in mlflow_ui.LIST_HINT
+
+
 def _assert_model_training_view(dom: str, exp: str) -> None:
     """The side navigation of the "Model training" view (Runs, Models, ...), not the GenAI one (Overview, ...)."""
     nav = _links(dom)

@@ -196,7 +196,7 @@ TIMING_COLUMNS = ("prefill_s", "decode_s", "tokens_per_s")  # differ from run to
 
 # Display and "all" order of the method labels (the `method` column); others follow, fixed@TAU by tau.
 METHOD_ORDER = ("full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale",
-                "infinigen")
+                "infinigen", "refreshkv")
 
 
 @dataclass(frozen=True)

@@ -121,11 +121,27 @@ def _fixed_lines(analysis: Analysis, model: str) -> list[str]:
     return lines
 
 
+def _matched_lines(g: pd.DataFrame) -> list[str]:
+    """Each method against the fixed-τ frontier at its own refresh fraction and reads per step
+    (``fixed_tuning.matched_frontier``); a method outside the points' range on both axes is left out."""
+    lines = []
+    for _, r in g.iterrows():
+        parts = [f"{axis} {_fmt_num(r.get(col), digits)}: {_ci(r, f'diff_frontier_{axis}', signed=True)}"
+                 for axis, col, digits in (("refresh", "refresh_fraction", 3), ("reads", "reads_per_step", 1))
+                 if pd.notna(r.get(f"diff_frontier_{axis}"))]
+        if parts:
+            lines.append(f"  {r.method}: " + ";  ".join(parts))
+    if lines:
+        lines.insert(0, "method - fixed-tau frontier at the method's own refresh and reads/step (all samples):")
+    return lines
+
+
 def format_summary(analysis: Analysis) -> str:
     """The table a job prints at the end: per model, one line per method with
     fidelity mean [95% CI], difference from bacon [CI], difference from rcr [CI], realised refresh
     fraction, prefix reads (keys + values) per KV head per layer-step, tokens/s, n and errors; then the
-    tuned-fixed comparison (τ* and ``rcr − fixed(τ*)`` on held-out samples, ``rcr −`` the fixed-τ frontier), the
+    tuned-fixed comparison (τ* and ``rcr − fixed(τ*)`` on held-out samples, ``rcr −`` the fixed-τ frontier), each
+    method's difference from that frontier at its own refresh and reads per step, the
     tercile table, the correlations and the top-position stability, and a line on how it was measured."""
     m = analysis.methods
     lines: list[str] = []
@@ -137,7 +153,8 @@ def format_summary(analysis: Analysis) -> str:
         if g.empty:
             continue
         lines.append(f"== model: {model or '(unnamed)'} ==")
-        lines += _method_table(g, conf) + _fixed_lines(analysis, model) + _drift_lines(analysis, model) + [""]
+        lines += _method_table(g, conf) + _fixed_lines(analysis, model) + _matched_lines(g)
+        lines += _drift_lines(analysis, model) + [""]
     meta = analysis.meta
     lines.append(f"errors: {meta.get('n_error_rows', 0)} row(s) excluded"
                  + (f"; {meta.get('n_samples_without_full')} sample(s) without a 'full' row"

@@ -83,6 +83,9 @@ class Recipe:
     share_tasks: tuple[str, ...] = _f("the tasks the share loss supervises", default=("detailcaps",))
     share_heads: str = _f("what the share loss holds to the target: 'layer' (the mean over a layer's heads) or 'kv' "
                           "(each KV head's mean over its query heads)", default="layer")
+    share_value_lr_scale: float = _f("the share stage trains the decoder's value projections at this multiple of its "
+                                     "rate: a read that carries a small share of the attention needs larger values",
+                                     default=1.0)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -148,6 +151,8 @@ class Recipe:
             raise _bad("share_layout", f"{self.share_layout!r}; choose a tinted layout: {', '.join(tinted)}")
         if not self.share_loss >= 0:
             raise _bad("share_loss", f"{self.share_loss}; give a value >= 0")
+        if not self.share_value_lr_scale > 0:
+            raise _bad("share_value_lr_scale", f"{self.share_value_lr_scale}; give a value > 0")
         if not (len(self.share_range) == 2 and 0 < self.share_range[0] <= self.share_range[1] < 1):
             raise _bad("share_range", f"{self.share_range}; give shares LOW <= HIGH in (0, 1)")
         n_layers = MODEL_SIZES[self.size]["layers"]

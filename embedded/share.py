@@ -11,7 +11,8 @@ how much of a step's attention goes to the image, never which entries a KV-cache
 Its batches are the polish stage's (the main stage's last ``share_steps`` plan steps, ``polish_seed``, the polish
 mix) on ``share_layout``'s scenes, at the polish rate and cooldown, with the polish stage's grounding (relative to
 the image mass where the share loss applies). It starts from the finished polish stage, or from a saved model whose
-recipe agrees on every other field (``--init-from``), with a fresh optimizer, and checkpoints to ``share.pt``.
+recipe agrees on every other field (``--init-from``), in both cases with an optimizer of its own
+(``share_optimizer``), so that the two starts train alike; it checkpoints to ``share.pt``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pipeline.data import synthetic as S
 
 from .assets import SPECIAL_TOKENS
 from .loops import Polisher
-from .losses import Share
+from .losses import Share, is_tower_body, make_optimizer
 from .recipe import ALL_FIELDS, Recipe
 
 
@@ -30,6 +31,22 @@ def share_target(tint: float, share_range: tuple[float, float]) -> float:
     """The image share a scene of canvas tint ``tint`` (0-1) is trained to: log-linear over ``share_range``."""
     lo, hi = share_range
     return math.exp(math.log(lo) + tint * (math.log(hi) - math.log(lo)))
+
+
+def is_value_projection(name: str) -> bool:
+    """A decoder layer's value projection (``...language_model.layers.<i>.self_attn.v_proj.*``)."""
+    return ".layers." in name and ".self_attn.v_proj." in name and not name.startswith("model.visual.")
+
+
+def share_optimizer(model, recipe: Recipe):
+    """The share stage's AdamW: the tower's body at ``vision_lr_scale`` of the rate, as in the main and polish
+    stages, and the decoder's value projections at ``share_value_lr_scale``."""
+    def scale(name: str) -> float:
+        if is_tower_body(name):
+            return recipe.vision_lr_scale
+        return recipe.share_value_lr_scale if is_value_projection(name) else 1.0
+
+    return make_optimizer(model, recipe.polish_lr, recipe.weight_decay, scale)
 
 
 class Sharer(Polisher):

@@ -18,7 +18,7 @@ from .batches import BatchBuilder
 from .loops import Polisher, RunOptions, Trainer, load_into
 from .losses import is_tower_body, make_optimizer
 from .recipe import MAIN_FIELDS, RECIPE_NAME, Recipe
-from .share import Sharer, starts_from
+from .share import Sharer, share_optimizer, starts_from
 from .sink import HeldSink, sink_logit_at
 from .vision import VisionPretrainer
 
@@ -55,10 +55,12 @@ def export(recipe: Recipe, opts: RunOptions, model, opt, processor, device) -> N
     if not ckpt.exists():
         raise checkpoints.CheckpointError(f"--export: no checkpoint at {ckpt} (check --run-dir)")
     step = load_into(ckpt, model, opt, recipe, MAIN_FIELDS, resume=False, device=device)[0]
-    for stage, steps in (("polish", recipe.polish_steps), ("share", recipe.share_steps)):
+    for stage, steps, stage_opt in (("polish", recipe.polish_steps, opt),
+                                    ("share", recipe.share_steps, share_optimizer(model, recipe))):
         path = opts.run_dir / f"{stage}.pt"
         if steps and path.exists():
-            step = f"{step} + {stage} step {load_into(path, model, opt, recipe, MAIN_FIELDS, False, device)[0]}"
+            got = load_into(path, model, stage_opt, recipe, MAIN_FIELDS, False, device)[0]
+            step = f"{step} + {stage} step {got}"
     model.eval()
     save_assets(model.to("cpu").float(), processor, Path(opts.export), recipe.to_dict())
     print(f"exported step {step} to {opts.export}", flush=True)
@@ -93,7 +95,8 @@ def run(recipe: Recipe, opts: RunOptions) -> Path | None:
     stop_after = opts.stop_after  # counts this process's steps over every stage
     if starts_from(recipe, _recipe_of(opts.init_from)):
         print(f"{opts.init_from} was made by this recipe up to its share stage: running only that stage", flush=True)
-        share = Sharer(recipe, opts, model, opt, BatchBuilder(processor), opts.run_dir / "share.pt", 0.0, sink)
+        share = Sharer(recipe, opts, model, share_optimizer(model, recipe), BatchBuilder(processor),
+                       opts.run_dir / "share.pt", 0.0, sink)
         if not share.run(stop_after):
             return None
         return _save(recipe, opts, model, processor, reference, f"{share.step} share steps", share.elapsed(),
@@ -118,7 +121,8 @@ def run(recipe: Recipe, opts: RunOptions) -> Path | None:
         total, steps = polish.elapsed(), f"{steps} + {polish.step} polish steps"
         if recipe.share_steps:
             stop_after = None if stop_after is None else stop_after - polish.steps_taken
-            share = Sharer(recipe, opts, model, opt, trainer.builder, opts.run_dir / "share.pt", total, sink)
+            share = Sharer(recipe, opts, model, share_optimizer(model, recipe), trainer.builder,
+                           opts.run_dir / "share.pt", total, sink)
             if not share.run(stop_after):
                 return None
             total, steps = share.elapsed(), f"{steps} + {share.step} share steps"

@@ -226,6 +226,16 @@ def test_the_share_stage_runs_alone_from_the_model_its_recipe_made_and_resumes_e
     assert "running only that stage" not in out and "checkpointed at step 1" in out
     assert (tmp_path / "c" / "ckpt.pt").exists() and not (tmp_path / "c" / "share.pt").exists()
 
+    # its optimizer: the value projections at share_value_lr_scale, the tower's body at vision_lr_scale
+    from embedded.share import share_optimizer
+
+    recipe = cli.parse(share[:-2] + ["--share-value-lr-scale", "10"])[0]
+    model, _ = train.build_run_model(recipe, build_tokenizer(), "cpu")
+    names = {id(p): n for n, p in model.named_parameters()}
+    scales = {names[id(p)]: g["lr_scale"] for g in share_optimizer(model, recipe).param_groups for p in g["params"]}
+    assert {n for n, s in scales.items() if s == 10} == {n for n in scales if ".self_attn.v_proj." in n}
+    assert scales["model.visual.blocks.0.mlp.fc1.weight"] == recipe.vision_lr_scale
+
     # its batches: the polish stage's plan, on v6, with the share targets on descriptions only
     tok = build_tokenizer()
     builder = BatchBuilder(build_processor(tok))

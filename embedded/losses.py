@@ -6,8 +6,10 @@ object's size, colour, texture or shape, the supervised layer's attention is pul
 cell the sentence is about. It says where to look, never which entries a KV-cache method keeps.
 
 The share stage's loss (``image_share_loss``) says how much of a step's attention goes to the image at all, per
-sample; with it on, the grounding loss asks for the cell's share of the image mass rather than of the whole mass,
-so the two say different things (where in the image; how much on the image) instead of pulling against each other.
+sample; with it on, the grounding loss asks by default for the cell's share of the image mass rather than of the
+whole mass, so the two say different things (where in the image; how much on the image); the recipe's
+``share_ground`` can keep the grounding on the whole mass, so that the steps that write an attribute still read
+their cell with most of their attention while the other steps give the image little.
 """
 
 from __future__ import annotations
@@ -48,13 +50,15 @@ def grounding_loss(attn, target, spread: bool = False, image=None):
 @dataclass(frozen=True)
 class Share:
     """The share loss of a step: its weight, the decoder layers it supervises, how many head groups it holds to the
-    target (1: the mean over a layer's heads; H_kv: each KV head's mean over its query heads) and the visual
-    tokens' id."""
+    target (1: the mean over a layer's heads; H_kv: each KV head's mean over its query heads), the visual tokens'
+    id, and whether the grounding loss takes the cell's share of the image mass (``ground_on_image``) or of the
+    whole mass where the share loss applies."""
 
     weight: float
     layers: tuple[int, ...]
     groups: int
     image_token_id: int
+    ground_on_image: bool = True
 
 
 def image_share_loss(attentions, rows, image, target, groups: int = 1):
@@ -93,9 +97,9 @@ def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.
     answer tokens, plus ``ground_weight`` times ``grounding_loss`` of decoder layer ``ground_layer`` where the batch
     has attention targets, plus ``share.weight`` times ``image_share_loss`` where it has share targets (either needs
     the text attention eager, to return its weights; with a share loss the grounding is relative to the image
-    mass). Gradient clip 1; each parameter group at ``lr`` times its "lr_scale". Returns (loss, logits (B, T-1, V)
-    fp32, targets (B, T-1), the mean attention mass on the grounding targets or None, and the per-sample mean
-    image share (B,) where the share loss applied, else None)."""
+    mass, unless ``share.ground_on_image`` is off). Gradient clip 1; each parameter group at ``lr`` times its
+    "lr_scale". Returns (loss, logits (B, T-1, V) fp32, targets (B, T-1), the mean attention mass on the grounding
+    targets or None, and the per-sample mean image share (B,) where the share loss applied, else None)."""
     import torch
 
     for g in opt.param_groups:
@@ -114,8 +118,9 @@ def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.
     total, mass, shares = loss, None, None
     image = batch["input_ids"] == share.image_token_id if share is not None else None  # (B, T)
     if target is not None:
+        relative = share_target is not None and share.ground_on_image
         aux, mass = grounding_loss(out.attentions[ground_layer], target, ground_spread,
-                                   image=image if share_target is not None else None)
+                                   image=image if relative else None)
         if aux is not None:  # the batch has target rows
             total = total + ground_weight * aux
     if share_target is not None:

@@ -25,6 +25,7 @@ from .curriculum import LAST_PHASE
 RECIPE_NAME = "recipe.json"
 GROUNDED_TASKS = ("detailcaps", "textcaps")  # the tasks with grounding targets (video has none)
 SHARE_HEADS = ("layer", "kv")
+SHARE_GROUND = ("image", "whole")
 
 
 def _bad(name: str, message: str) -> ConfigError:
@@ -83,6 +84,9 @@ class Recipe:
     share_tasks: tuple[str, ...] = _f("the tasks the share loss supervises", default=("detailcaps",))
     share_heads: str = _f("what the share loss holds to the target: 'layer' (the mean over a layer's heads) or 'kv' "
                           "(each KV head's mean over its query heads)", default="layer")
+    share_ground: str = _f("what the share stage's grounding loss asks of a description step that writes an "
+                           "attribute: the cell's share of the step's 'image' mass, or of its 'whole' mass (as the "
+                           "polish stage)", default="image")
     share_value_lr_scale: float = _f("the share stage trains the decoder's value projections at this multiple of its "
                                      "rate: a read that carries a small share of the attention needs larger values",
                                      default=1.0)
@@ -151,6 +155,8 @@ class Recipe:
             raise _bad("share_layout", f"{self.share_layout!r}; choose a tinted layout: {', '.join(tinted)}")
         if not self.share_loss >= 0:
             raise _bad("share_loss", f"{self.share_loss}; give a value >= 0")
+        if self.share_ground not in SHARE_GROUND:
+            raise _bad("share_ground", f"{self.share_ground!r}; choose one of {', '.join(SHARE_GROUND)}")
         if not self.share_value_lr_scale > 0:
             raise _bad("share_value_lr_scale", f"{self.share_value_lr_scale}; give a value > 0")
         if not (len(self.share_range) == 2 and 0 < self.share_range[0] <= self.share_range[1] < 1):

@@ -66,7 +66,7 @@ class Sharer(Polisher):
         r = self.r
         groups = 1 if r.share_heads == "layer" else self.model.config.text_config.num_key_value_heads
         return Share(r.share_loss, r.share_layers, groups,
-                     self.builder.tok.convert_tokens_to_ids(SPECIAL_TOKENS["image"]))
+                     self.builder.tok.convert_tokens_to_ids(SPECIAL_TOKENS["image"]), r.share_ground == "image")
 
     def batch(self) -> dict:
         import torch

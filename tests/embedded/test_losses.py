@@ -119,6 +119,13 @@ def test_share_loss_is_zero_only_where_the_held_means_meet_each_samples_target()
     assert by_kv == pytest.approx(np.mean(np.square(gaps)), rel=1e-4)
     off = float(image_share_loss([attn], rows, image, torch.tensor([0.01, 0.3]), groups=1)[0])
     assert off == pytest.approx((np.log(0.15 / 0.85) - np.log(0.01 / 0.99)) ** 2 / 2, rel=1e-4)
+    # grounding relative to the image mass (the share stage's default): the cell's share of the row's image mass
+    row = torch.tensor([0.25, 0.25, 0.5]).expand(1, 1, 3, 3)  # (B, H, T, T): tokens 0-1 the image, 0 the cell
+    cell = torch.zeros(1, 3, 3, dtype=torch.bool)
+    cell[0, 2, 0] = True
+    on_image = torch.tensor([[True, True, False]])
+    assert float(grounding_loss(row, cell)[1]) == pytest.approx(0.25)
+    assert float(grounding_loss(row, cell, image=on_image)[1]) == pytest.approx(0.5)
     labels = torch.tensor([[-100, -100, 7, 8]])
     assert answer_rows(labels).tolist() == [[False, True, True, False]]  # the steps that write tokens 7 and 8
 

@@ -52,6 +52,7 @@ def test_a_flag_overrides_one_field_and_only_that_one():
     ({"share_loss": -1}, "share_loss"), ({"share_range": [0.3, 0.01]}, "share_range"),
     ({"share_range": [0.0, 0.3]}, "share_range"), ({"share_layers": [4], "share_steps": 10}, "share_layers"),
     ({"share_tasks": ["video"]}, "share_tasks"), ({"share_heads": "query"}, "share_heads"),
+    ({"share_ground": "cell"}, "share_ground"), ({"share_value_lr_scale": 0}, "share_value_lr_scale"),
 ])
 def test_a_bad_value_is_refused_naming_its_field(change, field):
     with pytest.raises(ConfigError, match=f"field 'recipe.{field}'") as err:

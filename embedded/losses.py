@@ -6,10 +6,10 @@ object's size, colour, texture or shape, the supervised layer's attention is pul
 cell the sentence is about. It says where to look, never which entries a KV-cache method keeps.
 
 The share stage's loss (``image_share_loss``) says how much of a step's attention goes to the image at all, per
-sample; with it on, the grounding loss asks by default for the cell's share of the image mass rather than of the
-whole mass, so the two say different things (where in the image; how much on the image); the recipe's
-``share_ground`` can keep the grounding on the whole mass, so that the steps that write an attribute still read
-their cell with most of their attention while the other steps give the image little.
+sample. The grounding loss keeps asking the steps that write an attribute for their cell's share of the whole mass,
+so those steps still read their cell with most of their attention while the other steps give the image little; the
+recipe's ``share_ground`` can instead ask for the cell's share of the image mass, so that the two losses say
+different things (where in the image; how much on the image).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Share:
     layers: tuple[int, ...]
     groups: int
     image_token_id: int
-    ground_on_image: bool = True
+    ground_on_image: bool = False
 
 
 def image_share_loss(attentions, rows, image, target, groups: int = 1):
@@ -96,8 +96,8 @@ def optimizer_step(model, opt, batch: dict, lr: float, ground_weight: float = 0.
     """One AdamW step on a training batch (its "labels", "ground" and "share_target" popped): cross-entropy on the
     answer tokens, plus ``ground_weight`` times ``grounding_loss`` of decoder layer ``ground_layer`` where the batch
     has attention targets, plus ``share.weight`` times ``image_share_loss`` where it has share targets (either needs
-    the text attention eager, to return its weights; with a share loss the grounding is relative to the image
-    mass, unless ``share.ground_on_image`` is off). Gradient clip 1; each parameter group at ``lr`` times its
+    the text attention eager, to return its weights; with a share loss and ``share.ground_on_image`` the grounding
+    is relative to the image mass). Gradient clip 1; each parameter group at ``lr`` times its
     "lr_scale". Returns (loss, logits (B, T-1, V) fp32, targets (B, T-1), the mean attention mass on the grounding
     targets or None, and the per-sample mean image share (B,) where the share loss applied, else None)."""
     import torch

@@ -86,7 +86,7 @@ class Recipe:
                           "(each KV head's mean over its query heads)", default="layer")
     share_ground: str = _f("what the share stage's grounding loss asks of a description step that writes an "
                            "attribute: the cell's share of the step's 'image' mass, or of its 'whole' mass (as the "
-                           "polish stage)", default="image")
+                           "polish stage, the drift test bed's)", default="whole")
     share_value_lr_scale: float = _f("the share stage trains the decoder's value projections at this multiple of its "
                                      "rate: a read that carries a small share of the attention needs larger values",
                                      default=1.0)

@@ -16,10 +16,11 @@ from typing import Any
 
 from pipeline.schema import METHOD_ORDER
 from rcr.config import ConfigError
+from rcr.embedded import DIRECTORIES as EMBEDDED_MODELS
+from rcr.embedded import is_embedded
 from rcr.embedded import model_dir as embedded_model_dir
 
-EMBEDDED = "embedded"
-EMBEDDED_MODEL_DIR = embedded_model_dir()  # package data of rcr: rcr/embedded_model/
+EMBEDDED = "embedded"  # the default model (rcr/embedded_model/), and --shards' word for the synthetic shards
 
 # The shape of a Hub id (`owner/name`, or a legacy bare name). Whether it resolves (local cache, or the Hub when
 # online) and is a supported family is the driver's pre-flight (pipeline/preflight.py).
@@ -129,7 +130,7 @@ def validate_dataset(spec: Any, task: str, shards: list[str]) -> str:
 def validate_model(model: Any) -> None:
     if not isinstance(model, str) or not model:
         raise ConfigError("model", f"must be a non-empty string, got {model!r}")
-    if model == EMBEDDED:
+    if is_embedded(model):
         return  # the embedded checkpoint's presence is checked by the driver (it may be built after config)
     p = Path(model).expanduser()
     if p.exists():
@@ -148,7 +149,7 @@ def validate_model(model: Any) -> None:
         return
     if not HUB_ID.fullmatch(model):
         raise ConfigError("model", f"'{model}' is not a local checkpoint directory, a Hub id (owner/name) "
-                                   "or 'embedded'")
+                                   f"or an embedded model ({', '.join(EMBEDDED_MODELS)})")
 
 
 def model_slug(model: str) -> str:
@@ -160,7 +161,7 @@ def model_fingerprint(model: str) -> str:
     """For local checkpoints: config.json and the weight files' contents, so that a retrained model in the same
     directory (the same architecture, so the same file sizes) never resumes another model's rows. A Hub id is
     its own fingerprint."""
-    p = EMBEDDED_MODEL_DIR if model == EMBEDDED else Path(model).expanduser()
+    p = embedded_model_dir(model) if is_embedded(model) else Path(model).expanduser()
     if not p.is_dir():
         return model
     h = hashlib.sha256()

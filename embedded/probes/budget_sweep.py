@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from embedded.probes.common import evaluate_task
+from embedded.probes.common import evaluate_task, layout_flag, model_layout
 from pipeline.analysis.analyze import analyze
 from pipeline.data import synthetic as S
 from pipeline.run.config import EMBEDDED, JobConfig
@@ -138,7 +138,7 @@ def parse_setting(text: str) -> tuple[str, object]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=EMBEDDED)
-    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS))
+    layout_flag(ap)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--selected", default="16,32,64", help="comma-separated budgets of selected prefix entries")
@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--page-sizes", default=None, help="comma-separated page sizes of quest and arkvale "
                     "(default: the config's); with quest, also how often it keeps the prompt's first page")
     args = ap.parse_args(argv)
+    args.layout = model_layout(args.model or "embedded", args.layout)
     whole = {int(x) for x in args.whole_layers.split(",") if x}
     overrides = dict(parse_setting(x) for x in args.set)
     methods = ["full"] + [m for m in args.methods.split(",") if m != "full"]

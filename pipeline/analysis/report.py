@@ -182,13 +182,29 @@ def _fixed_lines(analysis: Analysis, model: str) -> list[str]:
     return lines
 
 
+def _matched_lines(g: pd.DataFrame) -> list[str]:
+    """Each method against the fixed-τ frontier at its own refresh fraction and reads per step
+    (``fixed_tuning.matched_frontier``); a method outside the points' range on both axes is left out."""
+    lines = []
+    for _, r in g.iterrows():
+        parts = [f"{axis} {_fmt_num(r.get(col), digits)}: {_ci(r, f'diff_frontier_{axis}', signed=True)}"
+                 for axis, col, digits in (("refresh", "refresh_fraction", 3), ("reads", "reads_per_step", 1))
+                 if pd.notna(r.get(f"diff_frontier_{axis}"))]
+        if parts:
+            lines.append(f"  {r.method}: " + ";  ".join(parts))
+    if lines:
+        lines.insert(0, "method - fixed-tau frontier at the method's own refresh and reads/step (all samples):")
+    return lines
+
+
 def format_summary(analysis: Analysis) -> str:
     """The table a job prints at the end, every line at most :data:`WIDTH` columns: per model, one line per method
     with fidelity mean [95% CI], difference from bacon [CI], difference from rcr [CI], realised refresh fraction,
     prefix reads (keys + values) per KV head per layer-step, tokens/s, n (and errors); the reference metrics; the
     notes it needs (:func:`_notes`); then the tuned-fixed comparison (τ* and ``rcr − fixed(τ*)`` on held-out
-    samples, ``rcr −`` the fixed-τ frontier), the tercile table, the correlations and the top-position stability,
-    and lines on how it was measured."""
+    samples, ``rcr −`` the fixed-τ frontier), each method's difference from that frontier at its own refresh and
+    reads per step, the tercile table, the correlations and the top-position stability, and lines on how it was
+    measured."""
     m = analysis.methods
     lines: list[str] = []
     conf = int(round(analysis.meta.get("confidence", 0.95) * 100))
@@ -199,7 +215,8 @@ def format_summary(analysis: Analysis) -> str:
         if g.empty:
             continue
         lines.append(f"== model: {model or '(unnamed)'} ==")
-        prose = _notes(g, analysis.per_sample) + _fixed_lines(analysis, model) + _drift_lines(analysis, model)
+        prose = (_notes(g, analysis.per_sample) + _fixed_lines(analysis, model) + _matched_lines(g)
+                 + _drift_lines(analysis, model))
         lines += _method_table(g, conf) + _reference_lines(g) + [_wrap(x) for x in prose] + [""]
     meta = analysis.meta
     tail = len(lines)

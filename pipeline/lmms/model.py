@@ -35,7 +35,7 @@ from pipeline.analysis.text_metrics import rouge_l_f1
 from pipeline.schema import telemetry_summary
 from rcr.config import ConfigError, RCRConfig
 from rcr.embedded import NAME as EMBEDDED
-from rcr.embedded import model_dir as embedded_dir
+from rcr.embedded import resolve as resolve_embedded
 from rcr.methods import METHODS, Method
 from rcr.methods.knobs import knob_fields, split_label, with_knobs
 
@@ -125,7 +125,7 @@ def build_method(method: str, pretrained: str, fields: dict) -> Method:
     config = RCRConfig(**{k: _field_value(k, v, defaults[k]) for k, v in fields.items() if k in CONFIG_FIELDS})
     label = with_knobs(method, {k: _field_value(k, v, knobs[k]) for k, v in fields.items() if k in knobs})
     m = rcr.parse_method(label, config)
-    model_dir = str(embedded_dir()) if pretrained == EMBEDDED else pretrained
+    model_dir = resolve_embedded(pretrained)
     if m.calibration_samples(model_dir if os.path.isdir(model_dir) else None) > 0:
         raise ConfigError(f"model arg {name}.calibration", f"method={method} is calibrated offline, on samples it is "
                           "not evaluated on, and lmms-eval hands it none: give calibration=DIR (python -m "

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from rcr.config import ConfigError
+from rcr.embedded import DIRECTORIES as EMBEDDED_MODELS
+from rcr.embedded import is_embedded
 from rcr.embedded import model_dir as embedded_model_dir
 
-EMBEDDED = "embedded"
-EMBEDDED_MODEL_DIR = embedded_model_dir()  # package data of rcr: rcr/embedded_model/
+EMBEDDED = "embedded"  # the default model (rcr/embedded_model/), and --shards' word for the synthetic shards
 
 # The shape of a Hub id (`owner/name`, or a legacy bare name). Whether it resolves (local cache, or the Hub when
 # online) and is a supported family is the driver's pre-flight (pipeline/run/preflight.py).
@@ -63,6 +64,7 @@ HASH_NAMES: dict[str, dict[str, str]] = {
     "arkvale": {"rule": "arkvale_rule", "groups": "arkvale_groups"},
     "infinigen": {"partial_ratio": "infinigen_partial_ratio", "calibration": "infinigen_calibration",
                   "layer0": "infinigen_layer0"},
+    "refreshkv": {},
 }
 
 
@@ -153,7 +155,7 @@ def validate_dataset(spec: Any, task: str, shards: list[str]) -> str:
 def validate_model(model: Any) -> None:
     if not isinstance(model, str) or not model:
         raise ConfigError("model", f"must be a non-empty string, got {model!r}")
-    if model == EMBEDDED:
+    if is_embedded(model):
         return  # the embedded checkpoint's presence is checked by the driver (it may be built after config)
     p = Path(model).expanduser()
     if p.exists():
@@ -172,7 +174,7 @@ def validate_model(model: Any) -> None:
         return
     if not HUB_ID.fullmatch(model):
         raise ConfigError("model", f"'{model}' is not a local checkpoint directory, a Hub id (owner/name) "
-                                   "or 'embedded'")
+                                   f"or an embedded model ({', '.join(EMBEDDED_MODELS)})")
 
 
 def model_slug(model: str) -> str:
@@ -184,7 +186,7 @@ def model_fingerprint(model: str) -> str:
     """For local checkpoints: config.json and the weight files' contents, so that a retrained model in the same
     directory (the same architecture, so the same file sizes) never resumes another model's rows. A Hub id is
     its own fingerprint."""
-    p = EMBEDDED_MODEL_DIR if model == EMBEDDED else Path(model).expanduser()
+    p = embedded_model_dir(model) if is_embedded(model) else Path(model).expanduser()
     if not p.is_dir():
         return model
     h = hashlib.sha256()

@@ -24,9 +24,11 @@ from typing import Any
 
 from pipeline.paths import default_runs_root, default_tracking_uri  # noqa: F401 - API
 from pipeline.run import checks
-from pipeline.run.checks import EMBEDDED, EMBEDDED_MODEL_DIR, available_methods, model_slug  # noqa: F401 - API
+from pipeline.run.checks import EMBEDDED, available_methods, model_slug  # noqa: F401 - API
 from pipeline.tasks import TASKS
 from rcr.config import ConfigError
+from rcr.embedded import is_embedded
+from rcr.embedded import model_dir as embedded_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW_TOKENS_LIMIT = 8192
@@ -64,10 +66,12 @@ class JobConfig:
     :meth:`from_dict`; both validate."""
 
     task: str = _f("detailcaps", "which task (pipeline/tasks/)", WHAT)
-    model: str = _f(EMBEDDED, "'embedded' (the small synthetic-scene model shipped in rcr/embedded_model), a local "
-                    "checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct", WHAT)
+    model: str = _f(EMBEDDED, "'embedded' (the small synthetic-scene model shipped in rcr/embedded_model), "
+                    "'embedded-drift' (its test bed whose samples drift at different scales), a local checkpoint "
+                    "dir, or e.g. Qwen/Qwen2-VL-7B-Instruct", WHAT)
     shards: list[str] = _f(help="Parquet shard files/dirs/globs in the input schema, or 'embedded': the synthetic "
-                           "shards, generated once under <runs dir>/shards", group=WHAT, factory=lambda: [EMBEDDED],
+                           "shards of the model's scene layout, generated once under <runs dir>/shards", group=WHAT,
+                           factory=lambda: [EMBEDDED],
                            shown="embedded", flag={"nargs": "+"})
     dataset: str | None = _f(None, "instead of --shards: NAME[:split], the task's Hugging Face dataset by name "
                              "(foundation-multimodal-models/DetailCaps-4870, lmms-lab/TextCaps, or the task name) at "
@@ -215,7 +219,7 @@ class JobConfig:
 
     def model_path(self) -> str:
         """What the loader gets: the embedded model's directory, or the name/path as given."""
-        if self.model == EMBEDDED:
-            return str(EMBEDDED_MODEL_DIR)
+        if is_embedded(self.model):
+            return str(embedded_model_dir(self.model))
         p = Path(self.model).expanduser()
         return str(p.resolve()) if p.exists() else self.model

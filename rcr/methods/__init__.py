@@ -23,10 +23,11 @@ from .prefill_oracle import PrefillOracle
 from .quest import Quest
 from .rcr import RCR, Fixed
 from .rcr_layer import RCRLayer
+from .refreshkv import RefreshKV
 from .scorer import ScorerMethod
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (Full, Bacon, PrefillOracle, Exact, Fixed, RCR, RCRLayer,
-                                                        Quest, ArkVale, InfiniGen)}
+                                                        Quest, ArkVale, InfiniGen, RefreshKV)}
 
 
 def register(cls: type[Method]) -> type[Method]:
@@ -99,4 +100,5 @@ def knob_defaults() -> dict:
 
 __all__ = ["METHODS", "register", "load_entry_points", "ENTRY_POINT_GROUP", "parse_method", "parse_label", "knob",
            "describe_methods", "knob_defaults", "Method", "ScorerMethod", "Decision", "StepContext", "BuildContext",
-           "Full", "Bacon", "PrefillOracle", "Exact", "Fixed", "RCR", "RCRLayer", "Quest", "ArkVale", "InfiniGen"]
+           "Full", "Bacon", "PrefillOracle", "Exact", "Fixed", "RCR", "RCRLayer", "Quest", "ArkVale", "InfiniGen",
+           "RefreshKV"]

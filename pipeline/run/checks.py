@@ -64,7 +64,7 @@ HASH_NAMES: dict[str, dict[str, str]] = {
     "arkvale": {"rule": "arkvale_rule", "groups": "arkvale_groups"},
     "infinigen": {"partial_ratio": "infinigen_partial_ratio", "calibration": "infinigen_calibration",
                   "layer0": "infinigen_layer0"},
-    "refreshkv": {},
+    "refreshkv": {"rule": "refreshkv_rule"},
 }
 
 

@@ -40,8 +40,6 @@ from pipeline.tasks import TASKS
 from rcr.embedded import model_dir
 from rcr.models import build_inputs, geometry
 
-METHODS = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen",
-           "refreshkv"]
 OFFLOAD = ["fixed", "rcr", "rcr_layer"]
 EMBEDDED = str(model_dir())
 
@@ -93,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--image-size", type=int, default=896, help="for synthetic/random images (896: 1,024 tokens)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(rcr.METHODS))
     ap.add_argument("--infinigen-calibration",
                     help="directory from python -m rcr.calibrate_infinigen (default: calibrate offline here, on "
                          "4 held-out prompts of the same kind, and store it beside --json)")

@@ -2,7 +2,9 @@
 the drift analyses, as one :class:`Analysis` of pandas tables.
 
 Pure pandas / numpy / scipy (plus ``rouge-score`` and, for CIDEr, ``pycocoevalcap``). No MLflow, no
-Ray, no torch: the driver calls this after a job, and a person can call it on ``pd.read_parquet(out)``.
+Ray: the driver calls this after a job, and a person can call it on ``pd.read_parquet(out)``. It reads the
+labels' methods from the registry (``rcr.methods``, imported on the first call: it brings torch) for their display
+order and knobs.
 
 Entry point (the driver and ``pipeline/analysis/tracking.py`` call it): :func:`analyze`
 ``(df, bootstrap_resamples=10000, seed=0, ...) -> Analysis``; ``pipeline/analysis/report.py`` prints it.

@@ -18,7 +18,7 @@ Input: one model's [samples x methods] fidelity and refresh-fraction tables (``a
   columns of the ``methods`` table.
 
 The candidates are the ``fixed@τ`` labels and, when the sweep exists, plain ``fixed`` at its own τ
-(``RCRConfig.fixed_tau``) unless a sweep label has that τ. Without a sweep both comparisons are skipped,
+(``fixed.tau``) unless a sweep label has that τ. Without a sweep both comparisons are skipped,
 and the table says so.
 """
 

@@ -66,7 +66,7 @@ class RefreshKV(Method):
 
     rule: str = knob("stride", "when a full step comes: 'stride' (every `stride`-th decode step) or 'similarity' "
                                "(at every `qc_stride`-th step, where the layer's mean query's cosine to its last full "
-                               "step's is <= `threshold`)", key="refreshkv_rule")
+                               "step's is <= `threshold`)")
     stride: int = knob(10, "rule=stride: a full step every `stride` decode steps, at every layer")
     qc_stride: int = knob(5, "rule=similarity: the query similarity is checked every `qc_stride` decode steps")
     threshold: float = knob(0.95, "rule=similarity: a full step where the cosine similarity is not above it (the "

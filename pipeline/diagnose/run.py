@@ -38,7 +38,7 @@ METHODS = (FULL, BACON, PREFILL_ORACLE, EXACT, FIXED)  # what the figures need
 DEFAULT_LIMIT = 40
 DEFAULT_PROBE_SAMPLES = 3
 EXAMPLES = """examples:
-  python jobs/diagnose.py                                            # the embedded default, a few minutes
+  python jobs/diagnose.py                                            # the embedded default: 40 samples, then 9 probed
   python jobs/diagnose.py --model Qwen/Qwen2-VL-7B-Instruct --shards /data/shards/detailcaps --limit 100 --device cuda
 """
 
@@ -102,6 +102,7 @@ def probes(cfg: JobConfig, rows: list, picks: dict[str, str]):
     per layer of each group) on the samples of the input's ``rows`` (``scan_inputs``) that ``picks`` names (sample
     id -> group: its drift tercile), answered on this process's device; (None, None, None, None) where no sample
     can be probed."""
+    say(f"probes: loading the model and reading the {len(picks)} sample(s)")
     import torch
 
     from pipeline.data.images import load_sample_images
@@ -119,7 +120,6 @@ def probes(cfg: JobConfig, rows: list, picks: dict[str, str]):
         samples.append((row["prompt"], images, cfg.task == "video"))
         groups.append(picks[r.key])
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
-    say(f"probes: loading the model on {device}")
     with quiet.quiet_model_loading():
         model, processor = load(cfg.model_path(), device=device, trust_remote_code=cfg.trust_remote_code)
     model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path
@@ -216,6 +216,7 @@ def run(cfg: JobConfig, probe_samples: int, argv: list[str] | tuple[str, ...] = 
     store = OutputStore(cfg.output_dir)
     df = store.read().to_pandas()
     df = df[(df["config_hash"] == cfg.config_hash) & df["method"].isin(cfg.methods)]
+    say(f"premise figures: the statistics of {len(df)} row(s), with bootstrap CIs")
     a = analyze(df, baselines=(BACON, PREFILL_ORACLE))
     layers = heads = treated = by_tercile = None
     if probe_samples:
@@ -240,6 +241,7 @@ def run(cfg: JobConfig, probe_samples: int, argv: list[str] | tuple[str, ...] = 
         hf.to_parquet(files[2])
     files.append(plot(a, layers, treated, out / "premises.png"))
     say(f"premise tables and plot: {out}")
+    say(f"MLflow: logging the figures, tables and plot to {cfg.mlflow_uri}")
     try:
         rid = log_run(cfg, figs, files, n)
         say(f"MLflow run {rid}: {cfg.mlflow_uri}")

@@ -10,7 +10,7 @@
 #
 # Environment: PYTHON (default python3), RCR_SKIP_INSTALL=1 (use the active environment as is),
 # RCR_RUNS_DIR (default ~/rcr-runs), and the ports of infra/local_cluster.sh (RCR_*_PORT, see its header and
-# docs/pipeline.md). `local_cluster.sh start` exits non-zero with one line saying what is wrong (a busy port
+# docs/cluster.md). `local_cluster.sh start` exits non-zero with one line saying what is wrong (a busy port
 # and its holder, a head that does not accept jobs) and what to run; quickstart stops there.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -117,7 +117,7 @@ class LocalRayHead:
         env["PATH"] = f"{Path(PY).parent}:{env.get('PATH', '')}"
         env["RAY_USAGE_STATS_ENABLED"] = "0"
         env["RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES"] = ""  # .rayignore leaves them out
-        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # single-node mode: every socket on 127.0.0.1 (docs/pipeline.md)
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # single-node mode: every socket on 127.0.0.1 (docs/cluster.md)
         # Ray 2.60 token auth, with a private token: independent of ~/.ray/auth_token (which any local
         # ray.init() creates, and which would otherwise switch a plain `ray start` into token mode)
         env["RAY_AUTH_MODE"] = "token"

@@ -120,6 +120,9 @@ def write_tasks(out_dir: str | Path, shards: dict[str, str | Path] | None = None
         shards = {}
         layout = scene_layout(model) or synthetic.DEFAULT_LAYOUT
         for task in (t for t in caption_tasks() if TASKS[t].embedded_size):
+            # drawing the scenes is the slow part (a minute and more for the defaults on 2 busy cores)
+            print(f"[rcr-lmms] drawing {n or TASKS[task].embedded_size} {task} scene(s) (layout {layout}) into "
+                  f"{out / 'shards' / task}", flush=True)
             write_synthetic_shards(task, out / "shards" / task, n=n, layout=layout)
             shards[task] = out / "shards" / task
     paths = []
@@ -161,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     for p in paths:
         print(p)
     model = "MODEL" if shards else args.model
+    results = default_runs_root() / "lmms-results"  # not the working directory: `clean` removes it with the rest
     print(f"[rcr-lmms] {len(paths)} task(s) in {out}; lmms-eval keeps its copy of their data in "
           f"{out / CACHE_DIR}. Run:\npython -m lmms_eval --model rcr --model_args pretrained={model},method=rcr "
-          f"--include_path {out} --tasks {','.join(p.stem for p in paths)} --log_samples --output_path results/")
+          f"--include_path {out} --tasks {','.join(p.stem for p in paths)} --log_samples --output_path {results}")
     return 0
 
 

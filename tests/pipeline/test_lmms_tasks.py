@@ -25,7 +25,12 @@ def test_generated_shards_are_in_the_layout_of_the_named_model(model, tmp_path, 
         marker = json.loads((out / "shards" / task / SUCCESS_MARKER).read_text())
         assert (marker["layout"], marker["rows"]) == (scene_layout(model), 1)
     printed = capsys.readouterr().out
-    assert f"pretrained={model},method=rcr --include_path {out} " in printed  # the command it prints runs as is
+    for task in ("detailcaps", "textcaps"):  # the slow stage says where it is
+        assert f"[rcr-lmms] drawing 1 {task} scene(s) (layout {scene_layout(model)}) into {out / 'shards' / task}" \
+            in printed, printed
+    # the command it prints runs as is, and writes its results under the runs directory too
+    assert f"pretrained={model},method=rcr --include_path {out} " in printed
+    assert f"--output_path {tmp_path / 'runs' / 'lmms-results'}" in printed
 
 
 def test_the_two_embedded_models_answer_different_layouts():

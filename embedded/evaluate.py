@@ -29,7 +29,7 @@ from pipeline.analysis.analyze import analyze
 from pipeline.analysis.labels import BACON, PREFILL_ORACLE
 from pipeline.data import synthetic as S
 from pipeline.diagnose import premises
-from pipeline.diagnose.progress import Stage
+from pipeline.progress import Stage
 from pipeline.run.config import EMBEDDED, JobConfig
 from pipeline.tasks import TASKS
 

@@ -86,7 +86,8 @@ def test_the_library_imports_neither_the_pipeline_nor_the_embedded_tooling():
 LAYERS = (
     ("pipeline", "pipeline.tasks", "pipeline.paths"),  # the task registry; where files go
     ("pipeline.schema", "pipeline.quiet"),  # the schemas (of the registered tasks); a job's own output lines
-    ("pipeline.data", "pipeline.analysis"),  # input shards; statistics and MLflow after a job
+    ("pipeline.data", "pipeline.analysis", "pipeline.progress"),  # input shards; statistics and MLflow after a
+    # job; a long stage's progress lines
     ("pipeline.run",),  # a job
     ("pipeline.diagnose", "pipeline.lmms"),  # built on jobs and analyses
 )

@@ -25,7 +25,7 @@ from pipeline.analysis import mlflow_client, mlflow_store
 from pipeline.analysis.analyze import analyze
 from pipeline.analysis.labels import BACON, EXACT, FIXED, FULL, PREFILL_ORACLE
 from pipeline.diagnose import premises
-from pipeline.diagnose.progress import Stage
+from pipeline.progress import Stage
 from pipeline.quiet import say
 from pipeline.run import driver
 from pipeline.run.cli import build_arg_parser

@@ -222,7 +222,7 @@ def test_a_long_probe_stage_says_where_it_is_while_it_runs(monkeypatch):
     """A stage whose item takes longer than --progress-every-s still prints: a heartbeat line with the items
     finished so far while the next one runs, then one line when the stage ends. The item here waits until the
     heartbeat has spoken (an event, not a duration)."""
-    from pipeline.diagnose import progress
+    from pipeline import progress
 
     lines, spoke = [], threading.Event()
 
@@ -245,6 +245,6 @@ def test_a_long_probe_stage_says_where_it_is_while_it_runs(monkeypatch):
 
 
 def test_durations_read_as_minutes_and_seconds():
-    from pipeline.diagnose.progress import duration
+    from pipeline.progress import duration
 
     assert [duration(s) for s in (0.4, 41, 125, 3600)] == ["0 s", "41 s", "2 min 5 s", "60 min 0 s"]

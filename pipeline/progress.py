@@ -1,5 +1,5 @@
-"""Progress lines for a long stage that runs in this process (the premise check's probes): no stage is silent for
-longer than the job's ``--progress-every-s``.
+"""Progress lines for a long stage that runs in this process (drawing the embedded scenes, the premise check's
+probes): no stage is silent for longer than the job's ``--progress-every-s``.
 
     with Stage("probes: greedy answers", 9, every_s=10) as stage:
         greedy_answers(..., done=stage)      # the stage calls stage(k) as its k-th item finishes

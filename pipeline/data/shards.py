@@ -138,9 +138,10 @@ def synthetic_records(task: str, n: int, seed: int = 0, workers: int = 1, chunk:
         raise synthetic.SyntheticError(f"n must be >= 0, got {n}")
     layout = synthetic.get_layout(layout or synthetic.DEFAULT_LAYOUT).name
     jobs = [(task, seed, s, min(n, s + chunk), layout) for s in range(0, n, chunk)]
-    if workers <= 1:
-        for j in jobs:
-            yield from _synthetic_chunk(j)
+    if workers <= 1:  # one record at a time, so that a progress count (write_synthetic's done) moves by one
+        for _, _, start, stop, _ in jobs:
+            for i in range(start, stop):
+                yield synthetic.make_record(task, seed, i, layout=layout)
         return
     with ProcessPoolExecutor(max_workers=workers) as ex:
         for recs in ex.map(_synthetic_chunk, jobs):

@@ -29,9 +29,11 @@ from pipeline.analysis.analyze import analyze
 from pipeline.analysis.labels import BACON, PREFILL_ORACLE
 from pipeline.data import synthetic as S
 from pipeline.diagnose import premises
+from pipeline.progress import Stage
 from pipeline.run.config import EMBEDDED, JobConfig
 from pipeline.tasks import TASKS
 
+PROGRESS_EVERY_S = 10.0  # the probes' progress lines, as a job's (--progress-every-s)
 # methods each task decodes (besides full); detailcaps carries the premises, textcaps the short-answer one
 TASK_METHODS = {
     "detailcaps": ["full", "bacon", "prefill_oracle", "exact", "fixed"],
@@ -55,14 +57,17 @@ def layer_probes(model_name: str, layout: str, seed: int, picks: dict[str, str],
     model, processor = load(model_name)
     model.set_attn_implementation("eager")
     ids = sorted(picks, key=S.scene_index)
-    answers = held_out_answers(model, processor, "detailcaps", layout, [S.scene_index(s) for s in ids],
-                               TASKS["detailcaps"].max_new_tokens, seed)
+    with Stage("probes: greedy answers", len(ids), PROGRESS_EVERY_S) as stage:
+        answers = held_out_answers(model, processor, "detailcaps", layout, [S.scene_index(s) for s in ids],
+                                   TASKS["detailcaps"].max_new_tokens, seed, done=stage)
     rcr_ = RCR()  # the paper's budget, detector and candidates
-    per_sample = attention.sample_profiles(model, answers, rcr_.config.selected)
+    with Stage("probes: attention profiles", len(answers), PROGRESS_EVERY_S) as stage:
+        per_sample = attention.sample_profiles(model, answers, rcr_.config.selected, done=stage)
     by_tercile = attention.mean_profiles_by(per_sample, [picks[s] for s in ids])
     context = answers[0].inputs["input_ids"].shape[1] + TASKS["detailcaps"].max_new_tokens - 1
-    return attention.mean_profile(per_sample), detector.probe(model, answers, rcr_), \
-        geometry(model).reselected(context), by_tercile
+    with Stage("probes: detector recall", len(answers), PROGRESS_EVERY_S) as stage:
+        recall = detector.probe(model, answers, rcr_, done=stage)
+    return attention.mean_profile(per_sample), recall, geometry(model).reselected(context), by_tercile
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -9,18 +9,21 @@
 2. In the directory that held them (the project's Ray temp dir, e.g. /tmp/rcr-ray-<uid>): the links Ray keeps
    there that point into a removed session (`session_latest`, ...), and the directory itself once nothing else
    is left in it (but the `ray_current_cluster` file `ray start --temp-dir` writes there).
-3. RUNS_DIR itself.
+3. RUNS_DIR itself: every job's output, the generated shards and dataset copies, the MLflow store, the local
+   cluster's state, and the lmms-eval tasks that `python -m pipeline.lmms.tasks` writes there by default with the
+   Arrow copy lmms-eval's `datasets` makes of them (`lmms-tasks/`, `lmms-tasks/hf-datasets/`).
 4. The builds of rcr's fused CPU kernels (rcr/fused.py: `rcr_ops_<hash>` directories) in torch's extension cache:
    $TORCH_EXTENSIONS_DIR, else `torch_extensions/<python>_<accelerator>/` in $XDG_CACHE_HOME or ~/.cache; then
    those directories themselves where nothing else is left in them. A later job builds the kernels again (about a
    minute).
 
 Other sessions in the temp dir (another runs directory's, another user's cluster), Ray's shared /tmp/ray and other
-extensions in torch's cache are never touched. One line is printed per thing removed.
+extensions in torch's cache are never touched. One line is printed per thing removed, with its size, then the total.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -32,6 +35,47 @@ KERNEL_PREFIX = "rcr_ops_"  # rcr/fused.py names its builds rcr_ops_<hash of the
 
 def say(msg: str) -> None:
     print(f"[local-cluster] {msg}", flush=True)
+
+
+def size_of(path: Path) -> int:
+    """Bytes on disk under ``path`` (``du``'s count: allocated blocks), links not followed: what removing it frees."""
+    total = path.lstat().st_blocks * 512
+    if path.is_dir() and not path.is_symlink():
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    total += (Path(root) / name).lstat().st_blocks * 512
+    return total
+
+
+def human(n: int) -> str:
+    """``0 B``, ``812 kB``, ``392 MB``, ``1.2 GB`` (powers of 1000)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.1f} {unit}" if v < 10 else f"{v:.0f} {unit}"
+    return f"{n} B"
+
+
+class Removed:
+    """Removes a path, with one line naming it and its size, and keeps the total."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.count = 0
+
+    def __call__(self, path: Path, what: str, empty: bool = False) -> None:
+        """``empty``: a directory that must be empty (removed only if it still is)."""
+        n = size_of(path)
+        if empty:
+            path.rmdir()
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        self.bytes += n
+        self.count += 1
+        say(f"removed {what} {path} ({human(n)})")
 
 
 def recorded_sessions(runs: Path) -> list[Path]:
@@ -64,7 +108,7 @@ def users_of(paths: list[Path]) -> dict[Path, list[int]]:
     return found
 
 
-def tidy_temp_dir(root: Path, removed: list[Path]) -> None:
+def tidy_temp_dir(root: Path, removed: list[Path], remove: Removed) -> None:
     """Links Ray keeps in the temp dir that point into a removed session (``session_latest``,
     ``prom_metrics_service_discovery.json``), then the directory itself when nothing but Ray's
     ``ray_current_cluster`` file is left in it."""
@@ -74,8 +118,7 @@ def tidy_temp_dir(root: Path, removed: list[Path]) -> None:
             if any(target == s or s in target.parents for s in removed):
                 link.unlink()
     if root.is_dir() and all(c.name == "ray_current_cluster" for c in root.iterdir()):
-        shutil.rmtree(root)
-        say(f"removed {root} (nothing else was left in it)")
+        remove(root, "the project's Ray temp dir, nothing else left in it:")
 
 
 def kernel_builds() -> list[Path]:
@@ -89,18 +132,16 @@ def kernel_builds() -> list[Path]:
     return sorted(p for p in cache.glob(f"*/{KERNEL_PREFIX}*") if p.is_dir() and not p.is_symlink())
 
 
-def remove_kernel_builds() -> None:
+def remove_kernel_builds(remove: Removed) -> None:
     builds = kernel_builds()
     for p in builds:
-        shutil.rmtree(p)
-        say(f"removed the fused kernels' build {p}")
+        remove(p, "the fused kernels' build")
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return  # a directory the user named: kept
     for d in dict.fromkeys(p.parent for p in builds):  # <python>_<accelerator>, then torch_extensions
         for empty in (d, d.parent):
             if empty.is_dir() and not any(empty.iterdir()):
-                empty.rmdir()
-                say(f"removed {empty} (nothing else was left in it)")
+                remove(empty, "torch's extension cache directory, nothing else left in it:", empty=True)
 
 
 def refuse_runs_dir(runs: Path) -> str | None:
@@ -127,15 +168,16 @@ def main(argv: list[str]) -> int:
             print(f"[local-cluster] error: Ray session {p} is in use by pid(s) {', '.join(map(str, pids[:5]))} "
                   "(a job of this runs directory still runs): stop it first; nothing was removed", file=sys.stderr)
         return 1
+    remove = Removed()
     for p in sessions:
-        shutil.rmtree(p)
-        say(f"removed Ray session {p}")
+        remove(p, "Ray session")
     for root in dict.fromkeys(p.parent for p in sessions):
-        tidy_temp_dir(root, sessions)
+        tidy_temp_dir(root, sessions, remove)
     if runs.exists():
-        shutil.rmtree(runs)
-        say(f"removed {runs}")
-    remove_kernel_builds()
+        remove(runs, "the runs directory (job outputs, shards, MLflow store, lmms-eval tasks)")
+    remove_kernel_builds(remove)
+    say(f"removed {remove.count} item(s), {human(remove.bytes)} in all" if remove.count else
+        f"nothing to remove: no runs directory at {runs}, no Ray session or kernel build of the project")
     return 0
 
 

@@ -6,15 +6,15 @@
 #   ray job submit --working-dir . -- python jobs/detailcaps.py --mlflow-uri "$MLFLOW_TRACKING_URI"
 #   infra/local_cluster.sh status
 #   infra/local_cluster.sh stop      # stops only the processes this script started (by their pid group)
-#   infra/local_cluster.sh clean     # stop, then remove the runs directory and this project's own Ray sessions
+#   infra/local_cluster.sh clean     # stop, then remove what the project wrote (infra/clean.py), each with its size
 #
 # Ray token authentication is on (RAY_AUTH_MODE=token) with a token private to this cluster, kept in
 # $STATE/auth_token (mode 600). `stop` never calls `ray stop`, which would stop every Ray on the machine.
 #
 # Files. Ray's session directories (logs, sockets) go under RCR_RAY_TMP, never Ray's shared /tmp/ray; each one
 # the project starts (this script's head, a plain `python jobs/...`'s private Ray) is listed in
-# $RUNS/ray-sessions. `clean` removes exactly those sessions and $RUNS (infra/clean.py): not another session in
-# RCR_RAY_TMP, nothing in /tmp/ray.
+# $RUNS/ray-sessions. `clean` removes exactly those sessions, $RUNS and the fused kernels' builds (infra/clean.py):
+# not another session in RCR_RAY_TMP, nothing in /tmp/ray.
 #
 # Ports. Each one is checked free before start. One set in the environment must be free, else `start` fails
 # naming it and its holder; one left unset takes its default if free, else any free port:
@@ -245,7 +245,7 @@ stop() {
   say "stopped"
 }
 
-clean() {  # what stop stops, then the Ray sessions listed in $RUNS/ray-sessions and $RUNS itself
+clean() {  # what stop stops, then the Ray sessions listed in $RUNS/ray-sessions, $RUNS itself, the kernels' builds
   stop
   "$PY" "$CLEAN_PY" "$RUNS"
 }

@@ -3,7 +3,7 @@
 #
 #   infra/mlflow_server.sh RUNS_DIR PORT
 #
-# The store (pipeline/analysis/mlflow_store.py, docs/pipeline.md "The MLflow store"): the database
+# The store (pipeline/analysis/mlflow_store.py, docs/cluster.md "The MLflow store"): the database
 # RUNS_DIR/mlflow.db and the artifact directory RUNS_DIR/mlartifacts. An experiment this server makes keeps its
 # artifacts there as plain files (--default-artifact-root file://...), where a job writing to the database directly
 # puts them too, and from where `mlflow ui` serves them once this server is stopped. --artifacts-destination: the

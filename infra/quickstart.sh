@@ -6,11 +6,11 @@
 #   bash infra/quickstart.sh                  # embedded model + embedded synthetic shards, first 8 samples
 #   bash infra/quickstart.sh --limit 50 --num-actors 2 --max-new-tokens 256   # any jobs/detailcaps.py flag
 #   infra/local_cluster.sh stop               # when done
-#   infra/local_cluster.sh clean              # stop, then remove the runs directory and the project's Ray sessions
+#   infra/local_cluster.sh clean              # stop, then remove what the project wrote, printing each with its size
 #
 # Environment: PYTHON (default python3), RCR_SKIP_INSTALL=1 (use the active environment as is),
 # RCR_RUNS_DIR (default ~/rcr-runs), and the ports of infra/local_cluster.sh (RCR_*_PORT, see its header and
-# docs/pipeline.md). `local_cluster.sh start` exits non-zero with one line saying what is wrong (a busy port
+# docs/cluster.md). `local_cluster.sh start` exits non-zero with one line saying what is wrong (a busy port
 # and its holder, a head that does not accept jobs) and what to run; quickstart stops there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,11 +43,11 @@ source "$RUNS/local-cluster/env"
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(--limit 8)
 echo "[quickstart] submitting: python jobs/detailcaps.py ${args[*]} --mlflow-uri $MLFLOW_TRACKING_URI (to $RAY_ADDRESS)"
-# infra/submit.py: what `ray job submit --working-dir . --runtime-env infra/runtime_env.yaml` does, printing only the
-# job's own log (not the CLI's banner and status lines). infra/runtime_env.yaml names what the working directory is
-# packaged without (with the override below, Ray's own default list, which prints a notice per directory, is off).
+# infra/submit.py: what `ray job submit --working-dir .` does, printing only the job's own log (not the CLI's banner
+# and status lines). `.rayignore` names what the working directory is packaged with: the project's packages only
+# (with the override below, Ray's own default list, which prints a notice per directory, is off).
 if ! RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES='' python infra/submit.py --address "$RAY_ADDRESS" \
-  --runtime-env infra/runtime_env.yaml -- python jobs/detailcaps.py "${args[@]}" --mlflow-uri "$MLFLOW_TRACKING_URI"; then
+  -- python jobs/detailcaps.py "${args[@]}" --mlflow-uri "$MLFLOW_TRACKING_URI"; then
   echo "[quickstart] error: the job failed (its log is above). Rerunning the same command computes only the missing rows; cluster: infra/local_cluster.sh status" >&2
   exit 1
 fi

@@ -1,15 +1,16 @@
 """Submit a job to a Ray cluster and stream its log: only the job's own lines (infra/quickstart.sh, the tests).
 
-    python infra/submit.py --address http://127.0.0.1:8265 [--runtime-env infra/runtime_env.yaml]
-        [--runtime-env-json JSON] -- python jobs/detailcaps.py --limit 8
+    python infra/submit.py --address http://127.0.0.1:8265 [--runtime-env FILE.yaml] [--runtime-env-json JSON]
+        -- python jobs/detailcaps.py --limit 8
 
-What `ray job submit --working-dir . --runtime-env infra/runtime_env.yaml -- ...` does, through Ray's job
-submission API (``ray.job_submission.JobSubmissionClient``, which the CLI uses), without the CLI's lines: its
-banner, "Next steps" and status lines (INFO and SUCC records with ANSI colours), its upload notices, and the job
-manager's two preamble lines in the log. The working directory (the repository) is packaged as with
-``--working-dir .``. Exit status: 0 when the job succeeds; 1 when it fails or is stopped, after a line with Ray's
-reason; 130 on Ctrl-C, which leaves the job running and says how to stop it. Token authentication is read from
-the environment (RAY_AUTH_MODE, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH), as the CLI does.
+What `ray job submit --working-dir . -- ...` does, through Ray's job submission API
+(``ray.job_submission.JobSubmissionClient``, which the CLI uses), without the CLI's lines: its banner, "Next steps"
+and status lines (INFO and SUCC records with ANSI colours), its upload notices, and the job manager's two preamble
+lines in the log. The working directory (the repository) is packaged as with ``--working-dir .``: the project's
+packages only, as ``.rayignore`` lists them. Exit status: 0 when the job succeeds; 1 when it fails or is stopped,
+after a line with Ray's reason; 130 on Ctrl-C, which leaves the job running and says how to stop it. Token
+authentication is read from the environment (RAY_AUTH_MODE, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH), as the CLI
+does.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def preamble(submission_id: str) -> re.Pattern:
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--address", required=True, help="the job server (Ray dashboard) URL, e.g. http://127.0.0.1:8265")
-    p.add_argument("--runtime-env", help="a runtime_env YAML file (its excludes)")
+    p.add_argument("--runtime-env", help="a runtime_env YAML file (env_vars, py_modules, ...)")
     p.add_argument("--runtime-env-json", help="a runtime_env as JSON, merged over --runtime-env")
     p.add_argument("--submission-id", help="the job's id (default: one Ray makes)")
     p.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- the command to run")

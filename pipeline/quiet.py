@@ -11,7 +11,7 @@
 * Ray's ``Actor with class name: 'MapWorker(...)' ... has constructor arguments in the object store and
   max_restarts > 0`` line, one per actor. Ray's C++ core worker writes it straight to the driver's stderr for
   every Ray Data actor pool with restarts on (Ray Data passes its actors their function through the object
-  store, ray-project/ray#53727); the job needs the restarts (docs/pipeline.md, fault tolerance), and no Python
+  store, ray-project/ray#53727); the job needs the restarts (docs/cluster.md, "Faults"), and no Python
   logger carries the line. The driver's stderr passes through :func:`stderr_without`, which drops exactly that
   line; it stays in Ray's driver log (``<session>/logs/python-core-driver-*.log``).
 * Actors' lines reach the driver's log without ANSI colours (``RAY_COLOR_PREFIX=0``, set by the driver).

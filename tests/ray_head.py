@@ -18,6 +18,10 @@ from tests.pipeline_helpers import PY, REPO
 
 RAY = str(Path(PY).parent / "ray")
 
+# The tests' own code for a submitted job (its engines, e.g. tests.pipeline_helpers:GatedFakeEngine): the working
+# directory is packaged with the project's packages only (.rayignore), so the tests package travels as a py_module.
+TESTS_RUNTIME_ENV = {"py_modules": [str(REPO / "tests")], "excludes": ["__pycache__"]}
+
 
 def free_port() -> int:
     return free_ports(1)[0]
@@ -112,8 +116,8 @@ class LocalRayHead:
         env["RAY_ADDRESS"] = self.address
         env["PATH"] = f"{Path(PY).parent}:{env.get('PATH', '')}"
         env["RAY_USAGE_STATS_ENABLED"] = "0"
-        env["RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES"] = ""  # infra/runtime_env.yaml names them
-        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # single-node mode: every socket on 127.0.0.1 (docs/pipeline.md)
+        env["RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES"] = ""  # .rayignore leaves them out
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # single-node mode: every socket on 127.0.0.1 (docs/cluster.md)
         # Ray 2.60 token auth, with a private token: independent of ~/.ray/auth_token (which any local
         # ray.init() creates, and which would otherwise switch a plain `ray start` into token mode)
         env["RAY_AUTH_MODE"] = "token"
@@ -185,9 +189,9 @@ class LocalRayHead:
 
     def submit(self, args: list[str], cwd: Path = REPO, timeout: float = 600, wait: bool = True,
                runtime_env: dict | None = None) -> subprocess.CompletedProcess | subprocess.Popen:
-        # as infra/quickstart.sh submits (infra/submit.py): infra/runtime_env.yaml's excludes (plus ``runtime_env``)
-        cmd = [PY, str(REPO / "infra" / "submit.py"), "--address", self.address, "--runtime-env",
-               str(REPO / "infra" / "runtime_env.yaml"), "--runtime-env-json", json.dumps(runtime_env or {}),
+        # as infra/quickstart.sh submits (infra/submit.py), with the tests' code (plus ``runtime_env``)
+        cmd = [PY, str(REPO / "infra" / "submit.py"), "--address", self.address,
+               "--runtime-env-json", json.dumps({**TESTS_RUNTIME_ENV, **(runtime_env or {})}),
                "--", "python", *args]
         if wait:
             return subprocess.run(cmd, check=False, cwd=cwd, env=self.env(), capture_output=True, text=True,

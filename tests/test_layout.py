@@ -1,4 +1,4 @@
-"""The layout's rules, checked on the source (docs/pipeline.md, "Layout"): what may import what (no import cycle, no
+"""The layout's rules, checked on the source (docs/development.md, "Layout"): what may import what (no import cycle, no
 pipeline import that climbs a layer), and no file over 400 lines in the library, the pipeline and the jobs."""
 
 from __future__ import annotations
@@ -82,11 +82,12 @@ def test_the_library_imports_neither_the_pipeline_nor_the_embedded_tooling():
 
 
 # The pipeline's layers, lowest first: a module imports its own part and the parts of lower layers, never a part of
-# its own layer or above (docs/pipeline.md, "Layout"). A part is a subpackage of pipeline/ or a module at its top.
+# its own layer or above (docs/development.md, "Layout"). A part is a subpackage of pipeline/ or a module at its top.
 LAYERS = (
     ("pipeline", "pipeline.tasks", "pipeline.paths"),  # the task registry; where files go
     ("pipeline.schema", "pipeline.quiet"),  # the schemas (of the registered tasks); a job's own output lines
-    ("pipeline.data", "pipeline.analysis"),  # input shards; statistics and MLflow after a job
+    ("pipeline.data", "pipeline.analysis", "pipeline.progress"),  # input shards; statistics and MLflow after a
+    # job; a long stage's progress lines
     ("pipeline.run",),  # a job
     ("pipeline.diagnose", "pipeline.lmms"),  # built on jobs and analyses
 )

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from pipeline.data import synthetic as S
-from pipeline.diagnose.attention import Answer, greedy_answers, visual_token_ids
+from pipeline.diagnose.attention import Answer, Done, greedy_answers, visual_token_ids
 from pipeline.run.actor import SampleEvaluator
 from pipeline.run.config import JobConfig
 from pipeline.tasks import TASKS
@@ -73,13 +73,13 @@ def cell_masks(words: list[str], lay: S.SceneLayout, image: torch.Tensor, grid_t
 
 
 def held_out_answers(model, processor, task: str, layout: str, n: int | list[int], max_new_tokens: int,
-                     seed: int = S.HELDOUT_SEED) -> list[Answer]:
+                     seed: int = S.HELDOUT_SEED, done: Done | None = None) -> list[Answer]:
     """The greedy answers to the first ``n`` held-out samples of ``task`` (or those of the indices ``n``), with the
     masks of the flat canvas (single images) and, for descriptions that walk every cell, of each step's described
     cell."""
     scenes = [S.render(task, seed, i, layout=layout)[0] for i in (range(n) if isinstance(n, int) else n)]
     samples = [(TASKS[task].prompt, [Image.fromarray(f) for f in frames], task == "video") for frames in scenes]
-    answers = greedy_answers(model, processor, samples, max_new_tokens)
+    answers = greedy_answers(model, processor, samples, max_new_tokens, done=done)
     visual = visual_token_ids(model)
     lay = S.get_layout(layout)
     for frames, a in zip(scenes, answers):

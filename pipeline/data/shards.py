@@ -138,9 +138,10 @@ def synthetic_records(task: str, n: int, seed: int = 0, workers: int = 1, chunk:
         raise synthetic.SyntheticError(f"n must be >= 0, got {n}")
     layout = synthetic.get_layout(layout or synthetic.DEFAULT_LAYOUT).name
     jobs = [(task, seed, s, min(n, s + chunk), layout) for s in range(0, n, chunk)]
-    if workers <= 1:
-        for j in jobs:
-            yield from _synthetic_chunk(j)
+    if workers <= 1:  # one record at a time, so that a progress count (write_synthetic's done) moves by one
+        for _, _, start, stop, _ in jobs:
+            for i in range(start, stop):
+                yield synthetic.make_record(task, seed, i, layout=layout)
         return
     with ProcessPoolExecutor(max_workers=workers) as ex:
         for recs in ex.map(_synthetic_chunk, jobs):
@@ -148,22 +149,33 @@ def synthetic_records(task: str, n: int, seed: int = 0, workers: int = 1, chunk:
 
 
 def write_synthetic(out_dir: str | os.PathLike, task: str, n: int, seed: int = 0, shard_size: int = 256,
-                    workers: int = 1, layout: str | None = None) -> list[Path]:
-    """Generate ``n`` synthetic samples of ``task`` into Parquet shards under ``out_dir``."""
+                    workers: int = 1, layout: str | None = None, done=None) -> list[Path]:
+    """Generate ``n`` synthetic samples of ``task`` into Parquet shards under ``out_dir``; ``done(k)`` (optional) as
+    the k-th scene is drawn (a progress line's count, ``pipeline.progress.Stage``)."""
     layout = synthetic.get_layout(layout or synthetic.DEFAULT_LAYOUT).name
-    return write_shards(synthetic_records(task, n, seed, workers, layout=layout), out_dir, shard_size, prefix=task,
+    records = synthetic_records(task, n, seed, workers, layout=layout)
+    if done is not None:
+        records = _counted(records, done)
+    return write_shards(records, out_dir, shard_size, prefix=task,
                         extra={"task": task, "seed": seed, "source": "synthetic", "layout": layout})
+
+
+def _counted(records, done):
+    for k, r in enumerate(records, 1):
+        done(k)
+        yield r
 
 
 # default sizes of the embedded job's synthetic shards (the paper's sample counts for the real datasets)
 
 
 def write_synthetic_shards(task: str, out_dir: str | os.PathLike, n: int | None = None, seed: int | None = None,
-                           shard_size: int = 256, workers: int = 1, layout: str | None = None) -> list[Path]:
+                           shard_size: int = 256, workers: int = 1, layout: str | None = None,
+                           done=None) -> list[Path]:
     """The embedded default's shards: held-out synthetic samples (seed ``synthetic.HELDOUT_SEED``, never
     seen in training) of ``task``; ``n`` defaults to the task's ``embedded_size`` (``pipeline/tasks/``)."""
     synthetic.check_task(task)
     n = TASKS[task].embedded_size if n is None else n
     seed = synthetic.HELDOUT_SEED if seed is None else seed
-    return write_synthetic(out_dir, task, n, seed, shard_size, workers, layout)
+    return write_synthetic(out_dir, task, n, seed, shard_size, workers, layout, done)
 

@@ -20,6 +20,7 @@ attention. Per layer, averaged over answer steps and samples (``layer_profile``)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +39,10 @@ class Answer:
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def greedy_answers(model, processor, samples, max_new_tokens: int) -> list[Answer]:
+Done = Callable[[int], None]  # told how many items of a stage are finished (a progress display)
+
+
+def greedy_answers(model, processor, samples, max_new_tokens: int, done: Done | None = None) -> list[Answer]:
     """``samples``: (prompt, PIL images, is_video) each -> their greedy answers, one sample at a time."""
     out = []
     for prompt, images, video in samples:
@@ -46,6 +50,8 @@ def greedy_answers(model, processor, samples, max_new_tokens: int) -> list[Answe
         with torch.no_grad():
             ids = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         out.append(Answer(inputs=inputs, answer=ids[:, inputs["input_ids"].shape[1]:]))
+        if done:
+            done(len(out))
     return out
 
 
@@ -96,7 +102,8 @@ def layer_profile(attn: torch.Tensor, n_prompt: int, image: torch.Tensor, n_kv: 
     }
 
 
-def sample_profiles(model, answers: list[Answer], selected: int, per_head: bool = False) -> list[list[dict]]:
+def sample_profiles(model, answers: list[Answer], selected: int, per_head: bool = False,
+                    done: Done | None = None) -> list[list[dict]]:
     """Per answer, per layer, the figures of ``layer_profile``; with ``per_head`` each layer's dict also holds
     ``"heads"``: the same figures for each KV head on its own (its G query heads). The model must run eager
     attention (``model.set_attn_implementation("eager")``)."""
@@ -118,6 +125,8 @@ def sample_profiles(model, answers: list[Answer], selected: int, per_head: bool 
                                             at_cell) for h in range(geo.n_kv_heads)]
             per_layer.append(r)
         rows.append(per_layer)
+        if done:
+            done(len(rows))
     return rows
 
 

@@ -33,7 +33,7 @@ from rcr.methods import RCR
 from rcr.models import geometry, with_answer
 from rcr.scoring import reduce_heads, top_sorted
 
-from .attention import Answer
+from .attention import Answer, Done
 
 
 def head_figures(q: torch.Tensor, k: torch.Tensor, det: Detector, h: int, method: RCR, scaling: float) -> dict:
@@ -60,7 +60,7 @@ def head_figures(q: torch.Tensor, k: torch.Tensor, det: Detector, h: int, method
             "cand": float((cand == top).any(-1).float().mean())}
 
 
-def probe(model, answers: list[Answer], method: RCR) -> list[list[dict]]:
+def probe(model, answers: list[Answer], method: RCR, done: Done | None = None) -> list[list[dict]]:
     """Per layer, per KV head, the figures of ``head_figures`` averaged over ``answers`` (``top`` from the first),
     for ``method``'s detector (its rank and candidates) at its budget."""
     cfg = method.config
@@ -82,6 +82,8 @@ def probe(model, answers: list[Answer], method: RCR) -> list[list[dict]]:
             per_layer.append([head_figures(q[h * G:(h + 1) * G], k[0, h], det, h, method, p.scaling)
                               for h in range(geo.n_kv_heads)])
         rows.append(per_layer)
+        if done:
+            done(len(rows))
     out = []
     for layer in range(len(rows[0])):
         heads = []

@@ -25,6 +25,7 @@ from pipeline.analysis import mlflow_client, mlflow_store
 from pipeline.analysis.analyze import analyze
 from pipeline.analysis.labels import BACON, EXACT, FIXED, FULL, PREFILL_ORACLE
 from pipeline.diagnose import premises
+from pipeline.progress import Stage
 from pipeline.quiet import say
 from pipeline.run import driver
 from pipeline.run.cli import build_arg_parser
@@ -37,7 +38,7 @@ METHODS = (FULL, BACON, PREFILL_ORACLE, EXACT, FIXED)  # what the figures need
 DEFAULT_LIMIT = 40
 DEFAULT_PROBE_SAMPLES = 3
 EXAMPLES = """examples:
-  python jobs/diagnose.py                                            # the embedded default, a few minutes
+  python jobs/diagnose.py                                            # the embedded default: 40 samples, then 9 probed
   python jobs/diagnose.py --model Qwen/Qwen2-VL-7B-Instruct --shards /data/shards/detailcaps --limit 100 --device cuda
 """
 
@@ -101,6 +102,7 @@ def probes(cfg: JobConfig, rows: list, picks: dict[str, str]):
     per layer of each group) on the samples of the input's ``rows`` (``scan_inputs``) that ``picks`` names (sample
     id -> group: its drift tercile), answered on this process's device; (None, None, None, None) where no sample
     can be probed."""
+    say(f"probes: loading the model and reading the {len(picks)} sample(s)")
     import torch
 
     from pipeline.data.images import load_sample_images
@@ -122,22 +124,27 @@ def probes(cfg: JobConfig, rows: list, picks: dict[str, str]):
         model, processor = load(cfg.model_path(), device=device, trust_remote_code=cfg.trust_remote_code)
     model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path
     rcfg = RCRConfig(**cfg.rcr)
+    every = cfg.progress_every_s
+    with Stage(f"probes: greedy answers (up to {cfg.max_new_tokens} tokens each)", len(samples), every) as stage:
+        answered = attention.greedy_answers(model, processor, samples, cfg.max_new_tokens, done=stage)
     # dwell needs two answer steps, the detector a prefix region (a prompt longer than the window)
-    kept = [(a, g) for a, g in zip(attention.greedy_answers(model, processor, samples, cfg.max_new_tokens), groups)
+    kept = [(a, g) for a, g in zip(answered, groups)
             if a.answer.shape[1] >= 2 and a.inputs["input_ids"].shape[1] > rcfg.window]
     if not kept:
         say(f"probes: no sample has an answer of 2 tokens or more and a prompt longer than the window "
             f"({rcfg.window}); the per-layer figures are left out")
         return None, None, None, None
     answers = [a for a, _ in kept]
-    per_sample = attention.sample_profiles(model, answers, rcfg.selected)
+    with Stage("probes: attention profiles", len(answers), every) as stage:
+        per_sample = attention.sample_profiles(model, answers, rcfg.selected, done=stage)
     by_group = attention.mean_profiles_by(per_sample, [g for _, g in kept])
     context = max(a.inputs["input_ids"].shape[1] for a in answers) + cfg.max_new_tokens - 1  # the decode's longest
     # the detector of the job's first drift-triggered method (its rank and candidates), else rcr's defaults
     drift = [m for m in (parse_method(label, rcfg) for label in cfg.methods) if isinstance(m, DriftRefresh)]
     probed = drift[0] if drift else RCR(rcfg)
-    return attention.mean_profile(per_sample), detector.probe(model, answers, probed), \
-        geometry(model).reselected(context), by_group
+    with Stage("probes: detector recall", len(answers), every) as stage:
+        recall = detector.probe(model, answers, probed, done=stage)
+    return attention.mean_profile(per_sample), recall, geometry(model).reselected(context), by_group
 
 
 def layer_frames(layers: list[dict], heads: list[list[dict]], treated) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -209,6 +216,7 @@ def run(cfg: JobConfig, probe_samples: int, argv: list[str] | tuple[str, ...] = 
     store = OutputStore(cfg.output_dir)
     df = store.read().to_pandas()
     df = df[(df["config_hash"] == cfg.config_hash) & df["method"].isin(cfg.methods)]
+    say(f"premise figures: the statistics of {len(df)} row(s), with bootstrap CIs")
     a = analyze(df, baselines=(BACON, PREFILL_ORACLE))
     layers = heads = treated = by_tercile = None
     if probe_samples:
@@ -233,6 +241,7 @@ def run(cfg: JobConfig, probe_samples: int, argv: list[str] | tuple[str, ...] = 
         hf.to_parquet(files[2])
     files.append(plot(a, layers, treated, out / "premises.png"))
     say(f"premise tables and plot: {out}")
+    say(f"MLflow: logging the figures, tables and plot to {cfg.mlflow_uri}")
     try:
         rid = log_run(cfg, figs, files, n)
         say(f"MLflow run {rid}: {cfg.mlflow_uri}")

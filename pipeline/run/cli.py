@@ -36,7 +36,7 @@ def _epilog(task: str | None) -> str:
         "Each method's own fields (NAME@FIELD=VALUE):\n"
         + "".join(f"  {line}\n" for line in _method_lines()) +
         "\nResults: Parquet rows in the output dir, runs in MLflow; the job prints both at the end. On a running\n"
-        f"cluster: ray job submit --working-dir . -- python {script} ... (docs/pipeline.md)."
+        f"cluster: ray job submit --working-dir . -- python {script} ... (docs/cluster.md)."
     )
 
 

@@ -16,29 +16,35 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data import convert, shards, synthetic
+from pipeline.progress import Stage
 from pipeline.quiet import say
 from pipeline.run.config import EMBEDDED, JobConfig, default_runs_root
 from pipeline.run.select import fingerprint_row
 from pipeline.schema import INPUT_SCHEMA, type_matches
+from pipeline.tasks import TASKS
 from rcr.config import ConfigError
 from rcr.embedded import scene_layout
 
 
-def embedded_shards(task: str, model: str = EMBEDDED) -> list[str]:
+def embedded_shards(task: str, model: str = EMBEDDED, every_s: float = 10.0) -> list[str]:
     """The synthetic shards for ``task`` in the scene layout ``model`` was trained on (an embedded model's, or the
-    default's for any other model), generated once (deterministic) into the runs directory."""
+    default's for any other model), generated once (deterministic) into the runs directory; a progress line every
+    ``every_s`` while the scenes are drawn (minutes on a small CPU)."""
     # keyed on the scene layout: shards cached for another embedded model's layout are never reused
     layout = scene_layout(model) or synthetic.DEFAULT_LAYOUT
     cache = default_runs_root() / "shards" / layout / task
     if not (cache / shards.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
-        write_embedded_shards(task, cache, layout=layout)
+        write_embedded_shards(task, cache, layout=layout, every_s=every_s)
     return [str(cache)]
 
 
-def write_embedded_shards(task: str, out_dir: Path, n: int | None = None, layout: str | None = None) -> None:
+def write_embedded_shards(task: str, out_dir: Path, n: int | None = None, layout: str | None = None,
+                          every_s: float = 10.0) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    say(f"writing the embedded synthetic {task} shards to {out_dir}")
-    shards.write_synthetic_shards(task=task, out_dir=str(out_dir), n=n, layout=layout)
+    n = TASKS[task].embedded_size if n is None else n
+    say(f"writing the embedded synthetic {task} shards to {out_dir} (once)")
+    with Stage(f"drawing the embedded {task} scenes", n, every_s) as stage:
+        shards.write_synthetic_shards(task=task, out_dir=str(out_dir), n=n, layout=layout, done=stage)
 
 
 def dataset_shards(spec: str, task: str) -> list[str]:
@@ -72,7 +78,7 @@ def scan_inputs(cfg: JobConfig) -> tuple[list[str], list, Any]:
     if cfg.dataset is not None:
         specs = dataset_shards(cfg.dataset, cfg.task)
     else:
-        specs = embedded_shards(cfg.task, cfg.model) if cfg.shards == [EMBEDDED] else cfg.shards
+        specs = embedded_shards(cfg.task, cfg.model, cfg.progress_every_s) if cfg.shards == [EMBEDDED] else cfg.shards
     paths = resolve_shards(specs)
     rows, dup_accept = scan_shards(paths, cfg.limit)
     if not rows:

@@ -218,7 +218,7 @@ def test_held_out_answers_answer_the_scenes_of_the_given_seed_and_indices(monkey
     import embedded.probes.common as C
 
     seen = []
-    monkeypatch.setattr(C, "greedy_answers", lambda model, processor, samples, n: seen.append(samples) or [])
+    monkeypatch.setattr(C, "greedy_answers", lambda model, processor, samples, n, done=None: seen.append(samples) or [])
     monkeypatch.setattr(C, "visual_token_ids", lambda model: set())
     C.held_out_answers(None, None, "textcaps", "v5", [4, 1], 8, seed=7)
     C.held_out_answers(None, None, "textcaps", "v5", 2, 8)

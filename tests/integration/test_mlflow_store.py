@@ -1,4 +1,4 @@
-"""One MLflow store for every entry point, in each order (docs/pipeline.md, "The MLflow store").
+"""One MLflow store for every entry point, in each order (docs/cluster.md, "The MLflow store").
 
 Each test uses a runs directory of its own as the default store (`RCR_RUNS_DIR`, or `HOME` where the README's
 `mlflow ui` command is run as written) and checks, at the end, that every new run's plots can be fetched over HTTP

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 
 from rcr.embedded import model_dir
 from tests.pipeline_helpers import (
@@ -33,7 +32,7 @@ from tests.pipeline_helpers import (
     tiny_qwen2_vl_dir,
     write_shard,
 )
-from tests.ray_head import LocalRayHead
+from tests.ray_head import TESTS_RUNTIME_ENV, LocalRayHead
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -63,11 +62,9 @@ def _job_args(script: str, out: Path, shards: Path, model: str, methods: str, *e
 
 
 def _runtime_env(env_vars: dict) -> dict:
-    """The runtime environment a raw `ray job submit --no-wait` gets: ``env_vars`` and infra/runtime_env.yaml's
-    excludes (the head runs with Ray's default excludes overridden, so without them the working directory's
-    .git would be packaged, and a clone's history can pass Ray's 100 MB upload limit)."""
-    excludes = yaml.safe_load((REPO / "infra" / "runtime_env.yaml").read_text())["excludes"]
-    return {"env_vars": env_vars, "excludes": excludes}
+    """The runtime environment a raw `ray job submit --no-wait` gets: ``env_vars`` and the tests' code (the working
+    directory itself is packaged as .rayignore says, the project's packages only)."""
+    return {**TESTS_RUNTIME_ENV, "env_vars": env_vars}
 
 
 def _keys(df: pd.DataFrame) -> list[tuple[str, str]]:

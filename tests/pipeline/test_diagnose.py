@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
+import threading
 
 import numpy as np
 import pandas as pd
@@ -197,6 +199,8 @@ def test_it_runs_on_a_tiny_model_of_every_family(name, tmp_path, monkeypatch, ca
     out = capsys.readouterr().out
     assert "premise check:" in out and "exact - bacon (fidelity)" in out
     assert "image share, low / mid / high drift tercile" in out  # 4 samples: 2, 1 and 1 of the terciles probed
+    for stage in (r"greedy answers \(up to 8 tokens each\)", "attention profiles", "detector recall"):
+        assert re.search(rf"^\[rcr-job\] probes: {stage} (\d+)/\1 in \d+ s$", out, re.M), out  # each stage's end
     figs = pd.read_parquet(tmp_path / "out" / "_diagnose" / "figures.parquet")
     geo = geometry(tiny_models.FAMILIES[name]()[0])
     layers = pq.read_table(tmp_path / "out" / "_diagnose" / "layers.parquet").to_pandas()
@@ -212,3 +216,35 @@ def test_it_runs_on_a_tiny_model_of_every_family(name, tmp_path, monkeypatch, ca
     assert len(runs) == 1 and runs[0].info.run_name == cfg.job_name
     metrics = runs[0].data.metrics
     assert np.isfinite(metrics["exact_minus_bacon"]) and any(k.startswith("image_share_layer") for k in metrics)
+
+
+def test_a_long_probe_stage_says_where_it_is_while_it_runs(monkeypatch):
+    """A stage whose item takes longer than --progress-every-s still prints: a heartbeat line with the items
+    finished so far while the next one runs, then one line when the stage ends. The item here waits until the
+    heartbeat has spoken (an event, not a duration)."""
+    from pipeline import progress
+
+    lines, spoke = [], threading.Event()
+
+    def say(msg):
+        lines.append(msg)
+        if "1/3," in msg:
+            spoke.set()
+
+    monkeypatch.setattr(progress, "say", say)
+    with progress.Stage("probes: greedy answers", 3, every_s=0.01) as stage:
+        stage(1)
+        assert spoke.wait(60), "no heartbeat line while the second item ran"
+        stage(3)
+    assert any(re.fullmatch(r"probes: greedy answers 1/3, \d+ s", ln) for ln in lines), lines
+    assert re.fullmatch(r"probes: greedy answers 3/3 in \d+ s", lines[-1]), lines
+    n = len(lines)
+    with pytest.raises(RuntimeError), progress.Stage("probes: detector recall", 2, every_s=60):
+        raise RuntimeError("a failed stage says no 'done' line")
+    assert len(lines) == n
+
+
+def test_durations_read_as_minutes_and_seconds():
+    from pipeline.progress import duration
+
+    assert [duration(s) for s in (0.4, 41, 125, 3600)] == ["0 s", "41 s", "2 min 5 s", "60 min 0 s"]

@@ -116,6 +116,28 @@ def test_embedded_shards_are_generated_once(tmp_path, monkeypatch):
     assert [f.stat().st_mtime_ns for f in files] == mtimes
 
 
+def test_drawing_the_embedded_shards_says_where_it_is(tmp_path, monkeypatch):
+    """Drawing the embedded scenes is the first job's longest silent stage (minutes for 300 DetailCaps scenes on
+    a small CPU): it is a progress stage, whose count is the scenes drawn, ending with its total and time. (The
+    heartbeat between items: tests/pipeline/test_diagnose.py.)"""
+    from pipeline import progress
+    from pipeline.data.shards import write_synthetic
+    from pipeline.run import inputs as run
+    from pipeline.tasks import TASKS
+
+    lines = []
+    monkeypatch.setattr(progress, "say", lines.append)
+    monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path))
+    monkeypatch.setitem(TASKS, "textcaps", dataclasses.replace(TASKS["textcaps"], embedded_size=3))
+    run.embedded_shards("textcaps", every_s=60)
+    assert len(lines) == 1 and lines[0].startswith("drawing the embedded textcaps scenes 3/3 in "), lines
+    run.embedded_shards("textcaps", every_s=60)  # generated once: nothing drawn, nothing said
+    assert len(lines) == 1, lines
+    counts = []  # the count moves scene by scene, not by the generator's chunks of 64
+    write_synthetic(tmp_path / "w", "textcaps", 3, done=counts.append)
+    assert counts == [1, 2, 3]
+
+
 def test_embedded_shards_follow_the_model_layout(tmp_path, monkeypatch):
     """Each embedded model gets the shards of the scene layout it was trained on (its recipe's): the cached
     shards of another model's layout are never reused; any other model gets the default layout's."""

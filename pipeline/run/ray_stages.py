@@ -18,7 +18,7 @@ from pipeline.run.config import REPO_ROOT, JobConfig
 from pipeline.run.plan import Plan
 from pipeline.run.select import select_planned
 from pipeline.run.store import PartWriteError
-from pipeline.run.writer import PartWriter
+from pipeline.run.writer import PartWriter, write_failed_line
 from pipeline.schema import INPUT_SCHEMA
 
 # Memory a read/select task asks for. Ray Data's high-memory detector warns when a stage's workers use more than
@@ -146,8 +146,7 @@ def stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter,
             for block in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
                 writer.write(block)
     except PartWriteError as e:
-        say(f"writing the output failed: {e}. Free space there, then rerun the same command: it computes "
-            "only the missing rows")
+        say(write_failed_line(e))
         return "failed", str(e)
     except Exception as e:  # noqa: BLE001 - record, report, and exit non-zero below
         error = f"{type(e).__name__}: {e}"

@@ -54,12 +54,26 @@ def interruptible() -> Iterator[None]:
             signal.signal(s, signal.SIG_IGN)
         raise Interrupted(signum)
 
+    handler.rcr_interrupt = True  # what reclaim() looks for
     for s in SIGNALS:
         signal.signal(s, handler)
     try:
         yield
     finally:
         for s, h in before.items():
+            signal.signal(s, h)
+
+
+def reclaim() -> None:
+    """Put :func:`interruptible`'s handlers back at the C level. ``ray.init`` installs the core worker's failure
+    signal handler, which for SIGTERM prints a stack trace and ends the process (``*** SIGTERM received ...``) before
+    Python's handler runs; Python still reports its own handler, so this re-installs it. A no-op outside
+    :func:`interruptible` or the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in SIGNALS:
+        h = signal.getsignal(s)
+        if getattr(h, "rcr_interrupt", False):
             signal.signal(s, h)
 
 

@@ -12,7 +12,7 @@ import os
 
 from pipeline import preflight, quiet
 from pipeline.quiet import say
-from pipeline.run import placement, ray_local
+from pipeline.run import interrupt, placement, ray_local
 from pipeline.run.actor import SampleEvaluator
 from pipeline.run.config import REPO_ROOT, JobConfig
 from pipeline.run.plan import Plan
@@ -42,6 +42,12 @@ def init_ray(cfg: JobConfig):
 
     if ray.is_initialized():
         return ray
+    _init(ray, cfg)
+    interrupt.reclaim()  # ray.init's own SIGTERM handler would end the driver before it says what it left
+    return ray
+
+
+def _init(ray, cfg: JobConfig) -> None:
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, log_to_driver=True, logging_level=quiet.RAY_LOGGING_LEVEL)
     elif os.environ.get("RAY_ADDRESS"):  # inside `ray job submit`: the job's cluster
@@ -59,7 +65,6 @@ def init_ray(cfg: JobConfig):
                        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                            p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}})
         ray_local.record_session(ctx.address_info["session_dir"])  # for `infra/local_cluster.sh clean`
-    return ray
 
 
 def light_repartition(ds, rows: int, read: dict):

@@ -1,0 +1,239 @@
+"""A randomized fault soak: one fault at a random moment of a job's life, then the same command until it exits 0,
+and invariants checked after every trial by code that does not share the pipeline's readers.
+
+    python -m benchmarks.fault_soak --trials 40          # seeds 0..39
+    python -m benchmarks.fault_soak --seed 17            # one trial alone, as it ran in the soak
+
+Each trial: a fresh output dir and MLflow store; the job (12 embedded samples x full,bacon,rcr, batch 2, 2 actors)
+through a real entry point, ``python jobs/detailcaps.py`` (its own Ray) or ``infra/submit.py`` to a local cluster
+(``infra/local_cluster.sh``, what the quickstart submits with); one fault at a moment drawn from the job's whole
+life (from its first second to its MLflow logging after the last row), drawn from: SIGKILL of the driver, of one
+actor, of a worker node's raylet (a 2-node cluster), of the MLflow server (restarted 5 s later), SIGINT of the driver
+(a terminal's Ctrl-C), disk full on the output dir (a 64 MB tmpfs, where ``mount -t tmpfs`` works, else skipped),
+and ``ray stop`` of the whole cluster (the soak's own), started again afterwards. Then the same command again until
+it exits 0, at most 3 times, and the invariants (``benchmarks/soak/checks.py``): (a) N x M rows, each key once,
+(b) equal to a fault-free reference run token for token, (c) no partial or temporary file, no run record left
+running, (d) the MLflow store: no run RUNNING, the parent FINISHED with one child per method and the reference
+store's metrics and artifacts, ``PRAGMA integrity_check`` ok, (e) every nonzero exit named what happened in one
+line, no traceback. One line per trial, then a table by fault; exit status 1 if any trial failed.
+
+Everything runs on 127.0.0.1 and is stopped by the pids the soak started. The local cluster, the 2-node cluster and
+the fault-free reference are reused across trials while a trial's fault leaves them intact. Mounting a tmpfs needs
+root; elsewhere the disk-full fault is skipped, and the soak says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.soak import checks, procs
+from benchmarks.soak.env import WORKER_NICENESS, LocalCluster, MlflowServer, Tmpfs, TwoNodes, base_env
+from benchmarks.soak.trial import FAULTS, Command, Draw, Trial
+
+METHODS = ["full", "bacon", "rcr"]
+
+
+@dataclass
+class Reference:
+    rows: dict
+    store: dict
+    life: dict  # mode -> seconds from start to exit
+
+
+class Soak:
+    def __init__(self, work: Path, samples: int, max_new_tokens: int):
+        self.work = work
+        self.runs = work / "runs"  # the embedded shards (generated once), the local cluster's state
+        tag = f"{os.getpid()}"  # Ray's socket paths must stay short
+        self.plain_ray_tmp, self.cluster_ray_tmp = Path(f"/tmp/rcrsoak{tag}p"), Path(f"/tmp/rcrsoak{tag}c")
+        self.methods = METHODS
+        self.n_rows = samples * len(METHODS)
+        self.job_args = ["--limit", str(samples), "--methods", ",".join(METHODS), "--batch-size", "2",
+                         "--num-actors", "2", "--max-new-tokens", str(max_new_tokens), "--progress-every-s", "5"]
+        self._local: LocalCluster | None = None
+        self._two: TwoNodes | None = None
+        self.reference: Reference | None = None
+        self.notes: list[str] = []
+
+    # ------------------------------------------------------------------ what the trials share
+
+    def plain_env(self) -> dict:
+        return base_env(self.runs, self.plain_ray_tmp)
+
+    def local_cluster(self) -> LocalCluster:
+        if self._local is None:
+            self._local = LocalCluster(self.runs, self.cluster_ray_tmp, self.work / "local-cluster.log").start()
+        return self._local
+
+    def restart_local_cluster(self) -> None:
+        self._local.stop()
+        self._local.start()
+
+    def two_nodes(self) -> TwoNodes:
+        if self._two is None:
+            self._two = TwoNodes(self.work / "two-nodes", self.runs, self.plain_ray_tmp).start()
+        return self._two
+
+    def drop_two_nodes(self) -> None:
+        if self._two is not None:
+            self._two.stop()
+            self._two = None
+
+    @staticmethod
+    def free_port() -> int:
+        from tests.ray_head import free_port
+
+        return free_port()
+
+    def kill_plain_leftovers(self) -> None:
+        """A plain job's private Ray that outlived its driver (a SIGKILLed driver's)."""
+        procs.kill_all(procs.marked(str(self.plain_ray_tmp)))
+
+    def life(self, mode: str) -> float:
+        if mode == "submit" and "submit" not in self.reference.life:
+            self._reference_submitted()
+        return self.reference.life.get(mode, self.reference.life["plain"])
+
+    def close(self) -> None:
+        self.drop_two_nodes()
+        if self._local is not None:
+            self._local.stop()
+        self.kill_plain_leftovers()
+        for d in (self.plain_ray_tmp, self.cluster_ray_tmp):
+            shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------ the fault-free reference
+
+    def _fault_free(self, name: str, argv_env, server: bool) -> tuple[Path, Path, float, str]:
+        d = self.work / name
+        out, store = d / "out", d / "store"
+        store.mkdir(parents=True, exist_ok=True)
+        srv = MlflowServer(store, self.free_port(), d / "mlflow.log").start() if server else None
+        uri = srv.uri if srv else f"sqlite:///{store / 'mlflow.db'}"
+        argv, env = argv_env([*self.job_args, "--output-dir", str(out), "--mlflow-uri", uri])
+        cmd = Command(argv, env, d / "run.log")
+        rc = cmd.wait()
+        life = cmd.elapsed()
+        if srv:
+            srv.kill()
+        if rc != 0:
+            raise SystemExit(f"the fault-free {name} run exited {rc}; see {d / 'run.log'}")
+        return out, store, life, cmd.text()
+
+    def make_reference(self) -> None:
+        py = sys.executable
+        out, store, life, _ = self._fault_free("reference", lambda a: ([py, "jobs/detailcaps.py", *a],
+                                                                     self.plain_env()), server=False)
+        _, rows = checks.rows(out)
+        summary = checks.store_summary(store)
+        if summary["bad"] or len(rows) != self.n_rows:
+            raise SystemExit(f"the fault-free reference is not clean: {summary['bad']}, {len(rows)} rows")
+        self.reference = Reference(rows, summary, {"plain": life})
+        print(f"[soak] reference: python jobs/detailcaps.py, {len(rows)} rows, {life:.0f}s", flush=True)
+
+    def _reference_submitted(self) -> None:
+        """A fault-free submitted run: the submitted trials' life, and a check that it gives the same rows and
+        store as the plain reference."""
+        c = self.local_cluster()
+        import json
+
+        rt = json.dumps({"env_vars": {"RCR_RUNS_DIR": str(self.runs)}})
+        out, store, life, _ = self._fault_free("reference-submit", lambda a: (
+            [sys.executable, "infra/submit.py", "--address", c.env()["RAY_ADDRESS"], "--runtime-env",
+             "infra/runtime_env.yaml", "--runtime-env-json", rt, "--", "python", "jobs/detailcaps.py", *a], c.env()),
+            server=True)
+        self.reference.life["submit"] = life
+        bad = checks.check_rows(out, self.reference.rows) + checks.check_store(store, self.reference.store,
+                                                                               self.methods)
+        note = "same rows and store as the plain reference" if not bad else f"DIFFERS from the plain one: {bad}"
+        self.notes.append(f"submitted reference: {note}")
+        print(f"[soak] reference: infra/submit.py, {life:.0f}s, {note}", flush=True)
+
+
+def trial_line(r) -> str:
+    d = r.draw
+    where = f"at {r.moment_s:5.1f}s ({r.phase})" if r.landed else f"never landed ({r.phase})"
+    verdict = "ok" if r.ok else "FAIL " + "; ".join(r.failures)
+    return (f"seed {d.seed:<4} {d.fault:<14} {d.mode:<7} {'server' if d.server else 'sqlite':<7} {where:<38} "
+            f"reruns {r.reruns}  exits {r.exits}  {r.wall_s:5.0f}s  {verdict}")
+
+
+def table(results: list) -> str:
+    by: dict[str, list] = defaultdict(list)
+    for r in results:
+        by[r.draw.fault].append(r)
+    lines = [f"{'fault':<14} {'trials':>6} {'passed':>6}  failing seeds", "-" * 48]
+    for f in FAULTS:
+        rs = by.get(f, [])
+        if rs:
+            failing = [str(r.draw.seed) for r in rs if not r.ok]
+            lines.append(f"{f:<14} {len(rs):>6} {sum(r.ok for r in rs):>6}  {', '.join(failing) or '-'}")
+    lines.append(f"{'all':<14} {len(results):>6} {sum(r.ok for r in results):>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=40, help="seeds --first-seed .. --first-seed + trials - 1")
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, action="append", help="run only this seed's trial (repeatable)")
+    ap.add_argument("--faults", default=",".join(FAULTS), help="the faults drawn from (comma-separated)")
+    ap.add_argument("--samples", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--work", help="working directory (default: a new one under the temp dir; removed at the end "
+                    "unless a trial failed)")
+    args = ap.parse_args(argv)
+    faults = tuple(f for f in args.faults.split(",") if f)
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        ap.error(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(FAULTS)}")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="rcr-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.update(WORKER_NICENESS)  # also for the 2-node cluster's helper, which takes this environment
+    if "disk_full" in faults and (why := Tmpfs.available(work)) is not None:
+        faults = tuple(f for f in faults if f != "disk_full")
+        print(f"[soak] disk_full skipped: this machine does not let the soak mount a tmpfs ({why})", flush=True)
+    seeds = args.seed or list(range(args.first_seed, args.first_seed + args.trials))
+    print(f"[soak] {len(seeds)} trial(s), faults {', '.join(faults)}; job: {args.samples} samples x "
+          f"{','.join(METHODS)}, batch 2, 2 actors, max_new_tokens {args.max_new_tokens}; work dir {work}", flush=True)
+    soak = Soak(work, args.samples, args.max_new_tokens)
+    results = []
+    t0 = time.monotonic()
+    try:
+        soak.make_reference()
+        for seed in seeds:
+            r = Trial(soak, Draw.of(seed, faults)).run()
+            results.append(r)
+            print(trial_line(r), flush=True)
+            if r.ok:
+                shutil.rmtree(work / f"trial-{seed}", ignore_errors=True)
+    finally:
+        soak.close()
+    wall = time.monotonic() - t0
+    print()
+    print(table(results))
+    per = sum(r.wall_s for r in results) / max(len(results), 1)
+    print(f"wall time {wall:.0f}s in all, {per:.0f}s per trial on average (the reference and cluster start-ups "
+          f"aside); load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    for n in soak.notes:
+        print(n)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        print(f"failing trials kept in {work}; rerun one alone: python -m benchmarks.fault_soak --seed "
+              f"{failed[0].draw.seed}")
+        return 1
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

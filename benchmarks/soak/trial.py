@@ -1,0 +1,287 @@
+"""One soak trial: a fresh output dir and MLflow store, the job through a real entry point, one fault at a drawn
+moment of its life, then the same command again until it exits 0 (at most 3 times), and the invariants.
+
+Entry points (``mode``): ``plain``, ``python jobs/detailcaps.py`` with its own private Ray, in its own session as a
+terminal runs it (a Ctrl-C is SIGINT to its process group); ``submit``, ``infra/submit.py`` to the local cluster (the
+quickstart's ``ray job submit``); ``2nodes``, ``python jobs/detailcaps.py --ray-address`` on a head and a worker node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from benchmarks.soak import checks, procs
+from benchmarks.soak.env import PY, REPO, MlflowServer, Tmpfs, wait_http
+
+FAULTS = ("kill_driver", "kill_actor", "kill_raylet", "kill_mlflow", "sigint_driver", "disk_full", "ray_stop")
+RERUNS = 3
+HANG_S = 1200  # a command still running after this is a hang: a failure of its own
+
+
+@dataclass
+class Draw:
+    """What a seed decides: the fault (the faults in turn, so that every fault gets its share of the trials), the
+    entry point, the MLflow store's kind and the moment (a fraction of the job's life), at random."""
+
+    seed: int
+    fault: str
+    mode: str
+    server: bool
+    fraction: float
+
+    @classmethod
+    def of(cls, seed: int, faults: tuple[str, ...]) -> Draw:
+        rng = random.Random(seed)
+        fault = faults[seed % len(faults)]
+        mode = "2nodes" if fault == "kill_raylet" else rng.choice(["plain", "submit"])
+        server = mode == "submit" or fault == "kill_mlflow"  # a plain job writes the database itself
+        return cls(seed, fault, mode, server, rng.random())
+
+
+@dataclass
+class Result:
+    draw: Draw
+    moment_s: float = 0.0
+    phase: str = "-"
+    landed: bool = False
+    reruns: int = 0
+    exits: list[int] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class Command:
+    """One run of the trial's command, its output in a log file, in a session of its own."""
+
+    def __init__(self, argv: list[str], env: dict, log: Path):
+        self.log = log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.t0 = time.monotonic()
+        self.sigkilled = False
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout_s: float = HANG_S) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            procs.kill_all([self.proc.pid, *procs.descendants(self.proc.pid)])
+            self.proc.wait()
+            return None
+
+
+def rows_on_disk(out: Path) -> int:
+    n = 0
+    for f in out.glob("part-*.parquet"):
+        with contextlib.suppress(Exception):  # renamed away or being set aside this instant
+            n += pq.read_metadata(f).num_rows
+    return n
+
+
+def phase(cmd: Command, out: Path, total: int) -> str:
+    """Where the job was, from its log and its output dir."""
+    text, n = cmd.text(), rows_on_disk(out)
+    if "[mlflow] logged job" in text or "job already logged" in text:
+        return "after MLflow logging"
+    if "summary of this job" in text:
+        return "MLflow logging"
+    if "row(s) in" in text and "part file(s)" in text:
+        return "summary"
+    if n:
+        return f"rows {n}/{total}"
+    if "[rcr-job] ray: " in text:
+        return "actors loading"
+    if "shard file(s)" in text:
+        return "planned"
+    return "start-up"
+
+
+class Trial:
+    def __init__(self, soak, draw: Draw):
+        self.soak, self.draw = soak, draw
+        self.dir = soak.work / f"trial-{draw.seed}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rng = random.Random(draw.seed * 7919 + 1)
+        self.tmpfs = Tmpfs(self.dir / "outfs") if draw.fault == "disk_full" else None
+        self.out = (self.dir / "outfs" / "out") if self.tmpfs else self.dir / "out"
+        self.store = self.dir / "store"
+        self.server: MlflowServer | None = None
+
+    # ------------------------------------------------------------------ the command
+
+    def uri(self) -> str:
+        return self.server.uri if self.server else f"sqlite:///{self.store / 'mlflow.db'}"
+
+    def command(self) -> tuple[list[str], dict]:
+        args = [*self.soak.job_args, "--output-dir", str(self.out), "--mlflow-uri", self.uri()]
+        if self.draw.mode == "submit":
+            c = self.soak.local_cluster()
+            rt = json.dumps({"env_vars": {"RCR_RUNS_DIR": str(self.soak.runs)}})
+            return [PY, "infra/submit.py", "--address", c.env()["RAY_ADDRESS"], "--runtime-env",
+                    "infra/runtime_env.yaml", "--runtime-env-json", rt, "--", "python", "jobs/detailcaps.py",
+                    *args], c.env()
+        if self.draw.mode == "2nodes":
+            c = self.soak.two_nodes()
+            return [PY, "jobs/detailcaps.py", "--ray-address", c.cluster.address, *args], c.env()
+        return [PY, "jobs/detailcaps.py", *args], self.soak.plain_env()
+
+    def run_once(self, n: int) -> Command:
+        argv, env = self.command()
+        return Command(argv, env, self.dir / f"run{n}.log")
+
+    # ------------------------------------------------------------------ the fault
+
+    def roots(self, cmd: Command) -> list[int]:
+        if self.draw.mode == "submit":
+            return self.soak.local_cluster().pids()[:1]
+        if self.draw.mode == "2nodes":
+            return [self.soak.two_nodes().cluster.proc.pid, cmd.proc.pid]
+        return [cmd.proc.pid]
+
+    def driver(self, cmd: Command) -> int | None:
+        if self.draw.mode != "submit":
+            return cmd.proc.pid
+        found = [p for p in procs.find(self.roots(cmd), "jobs/detailcaps.py", str(self.out))
+                 if procs.cmdline(p).split()[0].endswith(("python", "python3"))]
+        return found[0] if found else None
+
+    def target(self, cmd: Command) -> list[int] | None:
+        """The processes the fault hits now, or None when they do not exist (yet, or any more)."""
+        f = self.draw.fault
+        if f in ("kill_driver", "sigint_driver"):
+            d = self.driver(cmd)
+            return [d] if d else None
+        if f == "kill_actor":
+            actors = procs.find(self.roots(cmd), "ray::MapWorker(MapBatches(SampleEvaluator))")
+            return [self.rng.choice(sorted(actors))] if actors else None
+        if f == "ray_stop" and self.draw.mode == "plain":  # the private Ray of the driver: GCS, raylet, workers
+            ray = [p for p in procs.descendants(cmd.proc.pid)
+                   if str(self.soak.plain_ray_tmp) in procs.cmdline(p) or procs.cmdline(p).startswith("ray::")]
+            return ray or None
+        return []
+
+    def inject(self, cmd: Command, pids: list[int]) -> None:
+        f = self.draw.fault
+        if f == "kill_driver":
+            os.kill(pids[0], signal.SIGKILL)
+            cmd.sigkilled = self.draw.mode != "submit"
+        elif f == "sigint_driver":  # a terminal's Ctrl-C: the whole foreground process group
+            if self.draw.mode == "submit":
+                os.kill(pids[0], signal.SIGINT)
+            else:
+                os.killpg(cmd.proc.pid, signal.SIGINT)
+        elif f == "kill_actor":
+            os.kill(pids[0], signal.SIGKILL)
+        elif f == "kill_raylet":
+            os.kill(self.soak.two_nodes().worker_raylet(), signal.SIGKILL)
+        elif f == "kill_mlflow":
+            self.server.kill()
+            threading.Timer(5.0, self.server.start).start()
+        elif f == "disk_full":
+            self.tmpfs.fill()
+        elif f == "ray_stop":
+            procs.ray_stop(pids if self.draw.mode == "plain" else self.soak.local_cluster().pids())
+
+    def fault_run(self, res: Result) -> Command:
+        """Run the command, inject the fault at the drawn moment (or as soon after as its target exists)."""
+        cmd = self.run_once(0)
+        life = self.soak.life(self.draw.mode)
+        moment = 1.0 + self.draw.fraction * max(life - 1.0, 0.0)
+        total = self.soak.n_rows
+        while cmd.proc.poll() is None:
+            if cmd.elapsed() >= moment:
+                pids = self.target(cmd)
+                if pids is not None:
+                    res.moment_s, res.phase = cmd.elapsed(), phase(cmd, self.out, total)
+                    self.inject(cmd, pids)
+                    res.landed = True
+                    break
+            time.sleep(0.1)
+        if not res.landed:
+            res.moment_s, res.phase = moment, "the job had ended"
+        return cmd
+
+    # ------------------------------------------------------------------ the trial
+
+    def run(self) -> Result:
+        t0 = time.monotonic()
+        res = Result(self.draw)
+        try:
+            self._run(res)
+        finally:
+            self._tidy(res)
+        res.wall_s = time.monotonic() - t0
+        return res
+
+    def _run(self, res: Result) -> None:
+        self.store.mkdir(parents=True, exist_ok=True)
+        if self.draw.server:
+            self.server = MlflowServer(self.store, self.soak.free_port(), self.dir / "mlflow.log").start()
+        if self.tmpfs:
+            self.tmpfs.mount()
+        cmd = self.fault_run(res)
+        while True:
+            rc = cmd.wait()
+            if rc is None:
+                res.failures.append(f"run {res.reruns} hung (still running after {HANG_S}s)")
+            res.exits.append(-1 if rc is None else rc)
+            res.failures += checks.check_exit(res.exits[-1], cmd.text(), cmd.sigkilled)
+            self.soak.kill_plain_leftovers()
+            if rc == 0:
+                break
+            if res.reruns == RERUNS:
+                res.failures.append(f"no exit 0 after {RERUNS} reruns (exits {res.exits})")
+                return
+            self._recover()
+            res.reruns += 1
+            cmd = self.run_once(res.reruns)
+        if self.server:
+            self.server.kill()  # a stopped store: what the checks read is what is on disk
+        res.failures += checks.check_rows(self.out, self.soak.reference.rows)
+        res.failures += checks.check_files(self.out)
+        res.failures += checks.check_store(self.store, self.soak.reference.store, self.soak.methods)
+
+    def _recover(self) -> None:
+        """What the operator does before running the same command again: space freed, the cluster started again,
+        the MLflow server back (it restarts itself 5 s after its kill)."""
+        if self.tmpfs:
+            self.tmpfs.free()
+        if self.draw.mode == "submit" and not self.soak.local_cluster().alive():
+            self.soak.restart_local_cluster()
+        if self.server and (self.server.proc is None or self.server.proc.poll() is not None):
+            time.sleep(6)  # the restart timer's 5 s
+        if self.server:
+            wait_http(f"{self.server.uri}/health", self.server.proc)
+
+    def _tidy(self, res: Result) -> None:
+        if self.server:
+            self.server.kill()
+        if self.draw.fault == "kill_raylet":
+            self.soak.drop_two_nodes()  # its worker node is gone
+        if self.draw.mode == "submit" and not self.soak.local_cluster().alive():
+            self.soak.restart_local_cluster()
+        if self.tmpfs:
+            if not res.ok:
+                self.tmpfs.copy_out(self.dir / "out-kept")
+            self.tmpfs.umount()

@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.soak import checks, procs
-from benchmarks.soak.env import WORKER_NICENESS, LocalCluster, MlflowServer, Tmpfs, TwoNodes, base_env
+from benchmarks.soak.env import REPO, WORKER_NICENESS, LocalCluster, MlflowServer, Tmpfs, TwoNodes, base_env
 from benchmarks.soak.trial import FAULTS, Command, Draw, Trial
 
 METHODS = ["full", "bacon", "rcr"]
@@ -62,6 +64,11 @@ class Soak:
         self._two: TwoNodes | None = None
         self.reference: Reference | None = None
         self.notes: list[str] = []
+        self.commands: list[Command] = []  # every command started, so that close() stops one still running
+
+    def start(self, argv: list[str], env: dict, log: Path) -> Command:
+        self.commands.append(Command(argv, env, log))
+        return self.commands[-1]
 
     # ------------------------------------------------------------------ what the trials share
 
@@ -103,6 +110,9 @@ class Soak:
         return self.reference.life.get(mode, self.reference.life["plain"])
 
     def close(self) -> None:
+        for c in self.commands:
+            if c.proc.poll() is None:
+                procs.kill_all([c.proc.pid, *procs.descendants(c.proc.pid)])
         self.drop_two_nodes()
         if self._local is not None:
             self._local.stop()
@@ -112,23 +122,38 @@ class Soak:
 
     # ------------------------------------------------------------------ the fault-free reference
 
-    def _fault_free(self, name: str, argv_env, server: bool) -> tuple[Path, Path, float, str]:
+    def _fault_free(self, name: str, argv_env, server: bool, tries: int = 3) -> tuple[Path, Path, float, str]:
+        """A run without a fault, from a fresh output dir and store (again, up to ``tries``, when it fails on its
+        own: on a busy machine Ray's start-up can time out)."""
         d = self.work / name
-        out, store = d / "out", d / "store"
-        store.mkdir(parents=True, exist_ok=True)
-        srv = MlflowServer(store, self.free_port(), d / "mlflow.log").start() if server else None
-        uri = srv.uri if srv else f"sqlite:///{store / 'mlflow.db'}"
-        argv, env = argv_env([*self.job_args, "--output-dir", str(out), "--mlflow-uri", uri])
-        cmd = Command(argv, env, d / "run.log")
-        rc = cmd.wait()
-        life = cmd.elapsed()
-        if srv:
-            srv.kill()
-        if rc != 0:
-            raise SystemExit(f"the fault-free {name} run exited {rc}; see {d / 'run.log'}")
-        return out, store, life, cmd.text()
+        for attempt in range(tries):
+            shutil.rmtree(d, ignore_errors=True)  # a fresh run: its life is what the moments are drawn from
+            out, store = d / "out", d / "store"
+            store.mkdir(parents=True, exist_ok=True)
+            srv = MlflowServer(store, self.free_port(), d / "mlflow.log") if server else None
+            try:
+                uri = srv.start().uri if srv else f"sqlite:///{store / 'mlflow.db'}"
+                argv, env = argv_env([*self.job_args, "--output-dir", str(out), "--mlflow-uri", uri])
+                cmd = self.start(argv, env, d / "run.log")
+                rc = cmd.wait()
+                life = cmd.elapsed()
+            finally:
+                if srv:
+                    srv.kill()
+                self.kill_plain_leftovers()
+            if rc == 0:
+                return out, store, life, cmd.text()
+            last = [ln for ln in cmd.text().splitlines() if ln.strip()][-1:] or ["<no output>"]
+            print(f"[soak] the fault-free {name} run exited {rc} ({last[0][:200]}); attempt {attempt + 1}/{tries}",
+                  flush=True)
+        raise SystemExit(f"the fault-free {name} run failed {tries} times; see {d / 'run.log'}")
 
     def make_reference(self) -> None:
+        """The embedded shards first (generated once into the soak's runs dir, not part of any job's life), then a
+        fault-free plain run: the rows and the store every trial is compared with, and the life moments are drawn
+        from."""
+        subprocess.run([sys.executable, "-c", "from pipeline.run.inputs import embedded_shards; "
+                        "embedded_shards('detailcaps')"], cwd=REPO, env=self.plain_env(), check=True)
         py = sys.executable
         out, store, life, _ = self._fault_free("reference", lambda a: ([py, "jobs/detailcaps.py", *a],
                                                                      self.plain_env()), server=False)
@@ -185,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=40, help="seeds --first-seed .. --first-seed + trials - 1")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, action="append", help="run only this seed's trial (repeatable)")
-    ap.add_argument("--faults", default=",".join(FAULTS), help="the faults drawn from (comma-separated)")
+    ap.add_argument("--faults", default=",".join(FAULTS), help="run only the seeds that draw these faults "
+                    "(comma-separated); seed S draws fault S mod 7 in the order " + ", ".join(FAULTS))
     ap.add_argument("--samples", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--work", help="working directory (default: a new one under the temp dir; removed at the end "
@@ -198,23 +224,26 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="rcr-soak-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.update(WORKER_NICENESS)  # also for the 2-node cluster's helper, which takes this environment
-    if "disk_full" in faults and (why := Tmpfs.available(work)) is not None:
-        faults = tuple(f for f in faults if f != "disk_full")
-        print(f"[soak] disk_full skipped: this machine does not let the soak mount a tmpfs ({why})", flush=True)
     seeds = args.seed or list(range(args.first_seed, args.first_seed + args.trials))
-    print(f"[soak] {len(seeds)} trial(s), faults {', '.join(faults)}; job: {args.samples} samples x "
-          f"{','.join(METHODS)}, batch 2, 2 actors, max_new_tokens {args.max_new_tokens}; work dir {work}", flush=True)
+    draws = [d for d in map(Draw.of, seeds) if d.fault in faults]  # a seed always draws the same trial
+    if any(d.fault == "disk_full" for d in draws) and (why := Tmpfs.available(work)) is not None:
+        draws = [d for d in draws if d.fault != "disk_full"]
+        print(f"[soak] disk_full skipped: this machine does not let the soak mount a tmpfs ({why})", flush=True)
+    print(f"[soak] {len(draws)} trial(s) of seeds {seeds[0]}..{seeds[-1]}, faults {', '.join(faults)}; job: "
+          f"{args.samples} samples x {','.join(METHODS)}, batch 2, 2 actors, max_new_tokens {args.max_new_tokens}; "
+          f"work dir {work}", flush=True)
     soak = Soak(work, args.samples, args.max_new_tokens)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still stop what the soak started (finally)
     results = []
     t0 = time.monotonic()
     try:
         soak.make_reference()
-        for seed in seeds:
-            r = Trial(soak, Draw.of(seed, faults)).run()
+        for d in draws:
+            r = Trial(soak, d).run()
             results.append(r)
             print(trial_line(r), flush=True)
             if r.ok:
-                shutil.rmtree(work / f"trial-{seed}", ignore_errors=True)
+                shutil.rmtree(work / f"trial-{d.seed}", ignore_errors=True)
     finally:
         soak.close()
     wall = time.monotonic() - t0

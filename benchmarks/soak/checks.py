@@ -25,7 +25,8 @@ TIMING = re.compile(r"tokens_per_s|prefill_s|decode_s|wall")
 ONE_LINERS = re.compile(
     r"\[rcr-job\] interrupted|\[rcr-job\] writing the output failed|\[rcr-job\] the job stopped:"
     r"|\[rcr-job\] MLflow logging failed|\[rcr-job\] the Ray pipeline failed|\[rcr-job\] the Ray head .* unreachable"
-    r"|\[rcr-job\] the Ray cluster|\[submit\] job \S+ (failed|stopped)|\[submit\] lost|\[rcr-job\] config error")
+    r"|\[rcr-job\] could not start or join Ray|\[submit\] job \S+ (failed|stopped)|\[submit\] lost"
+    r"|\[rcr-job\] config error")
 
 
 def rows(out: Path) -> tuple[list[tuple[str, str]], dict[tuple[str, str], tuple]]:

@@ -239,7 +239,7 @@ def scope_line(ids: list[str], n_job: int, n_dir: int) -> str:
 def main(task: str | None = None, argv: list[str] | None = None) -> int:
     """The jobs' entry point (``jobs/eval.py``, ``rcr-eval``; ``task``: a task's own alias, ``jobs/detailcaps.py``):
     parse + validate the config, run, exit non-zero on failure (docs/pipeline.md, "Exit status")."""
-    cfg = None
+    cfg = result = None
     try:
         with interrupt.interruptible():
             cfg = job_config(argv, task=task)
@@ -248,9 +248,11 @@ def main(task: str | None = None, argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"[rcr-job] {e}", file=sys.stderr, flush=True)
         return 2
-    except interrupt.Interrupted as e:  # before run() took over (parsing the flags, starting the stderr filter)
-        say(interrupt.line(None, None, cfg.output_dir if cfg else None))
-        return e.exit_status
+    except interrupt.Interrupted as e:
+        if result is None:  # before run() took over (parsing the flags, starting the stderr filter)
+            say(interrupt.line(None, None, cfg.output_dir if cfg else None))
+            return e.exit_status
+        # after the job had finished and said so (while the stderr filter drained): its status stands
     if result["status"] == "interrupted":
         return 128 + result["signal"]
     if result["status"] != "ok":

@@ -12,6 +12,7 @@ removed by ``rcr.fileio.atomic_path`` on any exception, and a part is renamed in
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -55,6 +56,29 @@ def interruptible() -> Iterator[None]:
         raise Interrupted(signum)
 
     handler.rcr_interrupt = True  # what reclaim() looks for
+    for s in SIGNALS:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def while_starting() -> Iterator[None]:
+    """Around a job script's imports (the driver's modules take seconds, a minute on a busy machine), before
+    :func:`interruptible` takes over: SIGINT or SIGTERM prints the one line and ends the process at once with
+    ``128 + signal``, instead of a KeyboardInterrupt traceback from somewhere in an import. Nothing is written yet."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+
+    def handler(signum, frame):
+        print(f"[rcr-job] {line(None, None, None)}", flush=True)
+        os._exit(128 + signum)
+
     for s in SIGNALS:
         signal.signal(s, handler)
     try:

@@ -131,7 +131,12 @@ def build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: placem
 def stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter,
             calibration_payload: dict | None = None) -> tuple[str, str | None]:
     """The model work, through Ray: every result block to ``writer``. Returns (status, error)."""
-    ray = init_ray(cfg)
+    try:
+        ray = init_ray(cfg)
+    except Exception as e:  # noqa: BLE001 - e.g. Ray's own start-up timeout on a busy machine: one line, exit 1
+        error = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        say(f"could not start or join Ray ({error}); rerun the same command: it computes only the missing rows")
+        return "failed", error
     preflight.check_cluster(cfg, ray.cluster_resources())
     nodes = placement.alive_nodes(ray)
     res = placement.plan_actors(cfg, nodes)  # ConfigError (exit 2) if no node shape can hold the stages

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.soak import checks, procs
 from benchmarks.soak.env import REPO, WORKER_NICENESS, LocalCluster, MlflowServer, Tmpfs, TwoNodes, base_env
-from benchmarks.soak.trial import FAULTS, Command, Draw, Trial
+from benchmarks.soak.trial import FAULTS, Command, Draw, Timeline, Trial
 
 METHODS = ["full", "bacon", "rcr"]
 
@@ -47,7 +47,7 @@ METHODS = ["full", "bacon", "rcr"]
 class Reference:
     rows: dict
     store: dict
-    life: dict  # mode -> seconds from start to exit
+    timelines: dict  # mode -> Timeline of its fault-free run
 
 
 class Soak:
@@ -58,6 +58,7 @@ class Soak:
         self.plain_ray_tmp, self.cluster_ray_tmp = Path(f"/tmp/rcrsoak{tag}p"), Path(f"/tmp/rcrsoak{tag}c")
         self.methods = METHODS
         self.n_rows = samples * len(METHODS)
+        self.n_parts = -(-samples // 2)  # one part per batch of 2
         self.job_args = ["--limit", str(samples), "--methods", ",".join(METHODS), "--batch-size", "2",
                          "--num-actors", "2", "--max-new-tokens", str(max_new_tokens), "--progress-every-s", "5"]
         self._local: LocalCluster | None = None
@@ -104,10 +105,10 @@ class Soak:
         """A plain job's private Ray that outlived its driver (a SIGKILLed driver's)."""
         procs.kill_all(procs.marked(str(self.plain_ray_tmp)))
 
-    def life(self, mode: str) -> float:
-        if mode == "submit" and "submit" not in self.reference.life:
+    def timeline(self, mode: str) -> Timeline:
+        if mode == "submit" and "submit" not in self.reference.timelines:
             self._reference_submitted()
-        return self.reference.life.get(mode, self.reference.life["plain"])
+        return self.reference.timelines.get(mode, self.reference.timelines["plain"])
 
     def close(self) -> None:
         for c in self.commands:
@@ -122,7 +123,7 @@ class Soak:
 
     # ------------------------------------------------------------------ the fault-free reference
 
-    def _fault_free(self, name: str, argv_env, server: bool, tries: int = 3) -> tuple[Path, Path, float, str]:
+    def _fault_free(self, name: str, argv_env, server: bool, tries: int = 3) -> tuple[Path, Path, Timeline]:
         """A run without a fault, from a fresh output dir and store (again, up to ``tries``, when it fails on its
         own: on a busy machine Ray's start-up can time out)."""
         d = self.work / name
@@ -135,14 +136,14 @@ class Soak:
                 uri = srv.start().uri if srv else f"sqlite:///{store / 'mlflow.db'}"
                 argv, env = argv_env([*self.job_args, "--output-dir", str(out), "--mlflow-uri", uri])
                 cmd = self.start(argv, env, d / "run.log")
+                timeline = Timeline.record(cmd, out, self.n_parts)
                 rc = cmd.wait()
-                life = cmd.elapsed()
             finally:
                 if srv:
                     srv.kill()
                 self.kill_plain_leftovers()
             if rc == 0:
-                return out, store, life, cmd.text()
+                return out, store, timeline
             last = [ln for ln in cmd.text().splitlines() if ln.strip()][-1:] or ["<no output>"]
             print(f"[soak] the fault-free {name} run exited {rc} ({last[0][:200]}); attempt {attempt + 1}/{tries}",
                   flush=True)
@@ -155,14 +156,14 @@ class Soak:
         subprocess.run([sys.executable, "-c", "from pipeline.run.inputs import embedded_shards; "
                         "embedded_shards('detailcaps')"], cwd=REPO, env=self.plain_env(), check=True)
         py = sys.executable
-        out, store, life, _ = self._fault_free("reference", lambda a: ([py, "jobs/detailcaps.py", *a],
-                                                                     self.plain_env()), server=False)
+        out, store, timeline = self._fault_free("reference", lambda a: ([py, "jobs/detailcaps.py", *a],
+                                                                      self.plain_env()), server=False)
         _, rows = checks.rows(out)
         summary = checks.store_summary(store)
         if summary["bad"] or len(rows) != self.n_rows:
             raise SystemExit(f"the fault-free reference is not clean: {summary['bad']}, {len(rows)} rows")
-        self.reference = Reference(rows, summary, {"plain": life})
-        print(f"[soak] reference: python jobs/detailcaps.py, {len(rows)} rows, {life:.0f}s", flush=True)
+        self.reference = Reference(rows, summary, {"plain": timeline})
+        print(f"[soak] reference: python jobs/detailcaps.py, {len(rows)} rows, {timeline.life:.0f}s", flush=True)
 
     def _reference_submitted(self) -> None:
         """A fault-free submitted run: the submitted trials' life, and a check that it gives the same rows and
@@ -171,16 +172,16 @@ class Soak:
         import json
 
         rt = json.dumps({"env_vars": {"RCR_RUNS_DIR": str(self.runs)}})
-        out, store, life, _ = self._fault_free("reference-submit", lambda a: (
+        out, store, timeline = self._fault_free("reference-submit", lambda a: (
             [sys.executable, "infra/submit.py", "--address", c.env()["RAY_ADDRESS"], "--runtime-env",
              "infra/runtime_env.yaml", "--runtime-env-json", rt, "--", "python", "jobs/detailcaps.py", *a], c.env()),
             server=True)
-        self.reference.life["submit"] = life
+        self.reference.timelines["submit"] = timeline
         bad = checks.check_rows(out, self.reference.rows) + checks.check_store(store, self.reference.store,
                                                                                self.methods)
         note = "same rows and store as the plain reference" if not bad else f"DIFFERS from the plain one: {bad}"
         self.notes.append(f"submitted reference: {note}")
-        print(f"[soak] reference: infra/submit.py, {life:.0f}s, {note}", flush=True)
+        print(f"[soak] reference: infra/submit.py, {timeline.life:.0f}s, {note}", flush=True)
 
 
 def trial_line(r) -> str:

@@ -8,18 +8,16 @@ quickstart's ``ray job submit``); ``2nodes``, ``python jobs/detailcaps.py --ray-
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pyarrow.parquet as pq
 
 from benchmarks.soak import checks, procs
 from benchmarks.soak.env import PY, REPO, MlflowServer, Tmpfs, wait_http
@@ -91,37 +89,65 @@ class Command:
             return None
 
 
-def rows_on_disk(out: Path) -> int:
-    n = 0
-    for f in out.glob("part-*.parquet"):
-        with contextlib.suppress(Exception):  # renamed away or being set aside this instant
-            n += pq.read_metadata(f).num_rows
-    return n
+def parts_on_disk(out: Path) -> int:
+    return len(list(out.glob("part-*.parquet")))
 
 
-def phase(cmd: Command, out: Path, total: int) -> str:
-    """Where the job was, from its log and its output dir."""
-    text, n = cmd.text(), rows_on_disk(out)
+def milestone(text: str, parts: int, n_parts: int) -> int:
+    """How far a job from an empty output dir got, from its log and its part files: 0 started, 1 inputs scanned and
+    model checked, 2 planned, 3 Ray up (actors loading), 4 .. 3 + n_parts that many parts written, then all rows
+    written, the summary printed (MLflow logging under way), the runs logged."""
     if "[mlflow] logged job" in text or "job already logged" in text:
-        return "after MLflow logging"
+        return n_parts + 6
     if "summary of this job" in text:
-        return "MLflow logging"
-    if "row(s) in" in text and "part file(s)" in text:
-        return "summary"
-    if n:
-        return f"rows {n}/{total}"
+        return n_parts + 5
+    if "part file(s) in" in text:
+        return n_parts + 4
     if "[rcr-job] ray: " in text:
-        return "actors loading"
-    if "shard file(s)" in text:
-        return "planned"
-    return "start-up"
+        return 3 + min(parts, n_parts)
+    return 2 if "shard file(s)" in text else int("[rcr-job] job " in text)
 
+
+def milestone_name(k: int, n_parts: int, n_rows: int) -> str:
+    names = ["start-up", "model checked", "planned", "actors loading"]
+    if k < len(names):
+        return names[k]
+    if k <= 3 + n_parts:
+        return f"rows {(k - 3) * n_rows // n_parts}/{n_rows}"
+    return ["all rows written", "MLflow logging", "after MLflow logging"][min(k - n_parts - 4, 2)]
+
+
+class Timeline:
+    """When a fault-free run reached each milestone (seconds from its start), and its whole life."""
+
+    def __init__(self, times: list[float], life: float):
+        self.times, self.life = times, life
+
+    @classmethod
+    def record(cls, cmd: Command, out: Path, n_parts: int) -> Timeline:
+        times = [0.0]
+        while cmd.proc.poll() is None:
+            k = milestone(cmd.text(), parts_on_disk(out), n_parts)
+            times += [cmd.elapsed()] * (k + 1 - len(times))
+            time.sleep(0.1)
+        k = milestone(cmd.text(), parts_on_disk(out), n_parts)
+        times += [cmd.elapsed()] * (k + 1 - len(times))
+        return cls(times, cmd.elapsed())
+
+    def moment(self, fraction: float) -> tuple[int, float]:
+        """The drawn moment, ``1 + fraction * (life - 1)`` seconds into the fault-free run, as (the last milestone
+        reached by then, the seconds after it): a trial waits for that milestone, then for those seconds scaled by
+        how fast it got there, so the fault lands at the same point of the job whatever the machine's load."""
+        t = 1.0 + fraction * max(self.life - 1.0, 0.0)
+        k = max(i for i, ti in enumerate(self.times) if ti <= t)
+        return k, t - self.times[k]
 
 class Trial:
     def __init__(self, soak, draw: Draw):
         self.soak, self.draw = soak, draw
         self.dir = soak.work / f"trial-{draw.seed}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.dir, ignore_errors=True)  # a fresh output dir and store
+        self.dir.mkdir(parents=True)
         self.rng = random.Random(draw.seed * 7919 + 1)
         self.tmpfs = Tmpfs(self.dir / "outfs") if draw.fault == "disk_full" else None
         self.out = (self.dir / "outfs" / "out") if self.tmpfs else self.dir / "out"
@@ -204,22 +230,27 @@ class Trial:
             procs.ray_stop(pids if self.draw.mode == "plain" else self.soak.local_cluster().pids())
 
     def fault_run(self, res: Result) -> Command:
-        """Run the command, inject the fault at the drawn moment (or as soon after as its target exists)."""
-        life = self.soak.life(self.draw.mode)  # first: it may run the fault-free submitted reference
+        """Run the command; inject the fault at the drawn moment (``Timeline.moment``), or as soon after it as its
+        target exists."""
+        timeline = self.soak.timeline(self.draw.mode)  # first: it may run the fault-free submitted reference
+        k, after = timeline.moment(self.draw.fraction)
+        n_parts, n_rows = self.soak.n_parts, self.soak.n_rows
         cmd = self.run_once(0)
-        moment = 1.0 + self.draw.fraction * max(life - 1.0, 0.0)
-        total = self.soak.n_rows
+        due = None  # when the milestone is reached: now + the seconds after it, scaled by this run's pace
         while cmd.proc.poll() is None:
-            if cmd.elapsed() >= moment:
-                pids = self.target(cmd)
-                if pids is not None:
-                    res.moment_s, res.phase = cmd.elapsed(), phase(cmd, self.out, total)
-                    self.inject(cmd, pids)
-                    res.landed = True
-                    break
+            reached = milestone(cmd.text(), parts_on_disk(self.out), n_parts)
+            if due is None and reached >= k:
+                pace = cmd.elapsed() / timeline.times[k] if timeline.times[k] > 0 else 1.0
+                due = cmd.elapsed() + after * pace
+            if due is not None and cmd.elapsed() >= due and (pids := self.target(cmd)) is not None:
+                res.moment_s = cmd.elapsed()
+                res.phase = milestone_name(milestone(cmd.text(), parts_on_disk(self.out), n_parts), n_parts, n_rows)
+                self.inject(cmd, pids)
+                res.landed = True
+                break
             time.sleep(0.1)
         if not res.landed:
-            res.moment_s, res.phase = moment, "the job had ended"
+            res.phase = f"the job ended before {milestone_name(k, n_parts, n_rows)} + {after:.1f}s"
         return cmd
 
     # ------------------------------------------------------------------ the trial

@@ -196,8 +196,12 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
         mlflow_store.fail_runs(client, started)
         raise
     # only now set aside what this replaces: an older complete set with the same key is kept, tagged superseded (its
-    # links still open); what an interrupted call left (never shown: the links are printed only once complete) goes
-    older = _supersede(client, existing, parent_id, key)
+    # links still open); what an interrupted call left (never shown: the links are printed only once complete) goes.
+    # Searched again: MLflow's client retries every request whose answer was lost (a server killed mid-call), so a
+    # retried create_run leaves a run of this key that is not among those this call started
+    mine = set(started)
+    older = _supersede(client, [r for r in mlflow_client.find_job_runs(client, exp_id, key)
+                                if r.info.run_id not in mine], parent_id, key)
     if verbose:
         print(f"[mlflow] logged job '{job_name}' to {tracking_uri}, experiment '{experiment}': parent run "
               f"{parent_id} (new)")

@@ -193,6 +193,26 @@ def test_other_samples_get_their_own_runs_and_changed_rows_supersede_without_del
     assert {p.info.run_id for p in parents} == {fewer, every, third}
 
 
+def test_a_run_made_twice_by_a_retried_request_is_not_left_running(job, monkeypatch):
+    """MLflow's client retries a request whose answer was lost (the tracking server killed after it created a run):
+    the first run it made is nobody's, RUNNING. Here every create_run makes one such run first; after log_job none
+    is RUNNING and the job has one parent with one run per method."""
+    uri = _store(job["tmp"], "retried.db")
+    real = MlflowClient.create_run
+
+    def twice(self, *a, **k):
+        real(self, *a, **k)  # the answer that never arrived
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(MlflowClient, "create_run", twice)
+    pid = tracking.log_job(df=pd.read_parquet(job["out"]), config=job["config"], tracking_uri=uri,
+                           experiment="rcr-test", output_dir=str(job["out"]), job_name="tiny-job", verbose=False)
+    c, parents, children = _active_runs(uri, "rcr-test")
+    assert [p.info.run_id for p in parents] == [pid] and len(children) == len(METHODS)
+    every = c.search_runs([c.get_experiment_by_name("rcr-test").experiment_id], run_view_type=3)  # deleted too
+    assert len(every) == 2 * (1 + len(METHODS)) and "RUNNING" not in {r.info.status for r in every}
+
+
 def test_reference_metrics_absent_without_references(job):
     """Samples with no references (TextCaps' test split): the parent run says the reference metrics are absent,
     in a param and in the summary, and no method run carries them; a job with references says what they cover."""

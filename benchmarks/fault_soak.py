@@ -163,7 +163,8 @@ class Soak:
         if summary["bad"] or len(rows) != self.n_rows:
             raise SystemExit(f"the fault-free reference is not clean: {summary['bad']}, {len(rows)} rows")
         self.reference = Reference(rows, summary, {"plain": timeline})
-        print(f"[soak] reference: python jobs/detailcaps.py, {len(rows)} rows, {timeline.life:.0f}s", flush=True)
+        print(f"[soak] reference: python jobs/detailcaps.py, {len(rows)} rows; "
+              f"{timeline.describe(self.n_parts, self.n_rows)}", flush=True)
 
     def _reference_submitted(self) -> None:
         """A fault-free submitted run: the submitted trials' life, and a check that it gives the same rows and
@@ -181,7 +182,8 @@ class Soak:
                                                                                self.methods)
         note = "same rows and store as the plain reference" if not bad else f"DIFFERS from the plain one: {bad}"
         self.notes.append(f"submitted reference: {note}")
-        print(f"[soak] reference: infra/submit.py, {timeline.life:.0f}s, {note}", flush=True)
+        print(f"[soak] reference: infra/submit.py, {note}; {timeline.describe(self.n_parts, self.n_rows)}",
+              flush=True)
 
 
 def trial_line(r) -> str:

@@ -134,10 +134,15 @@ class Timeline:
         times += [cmd.elapsed()] * (k + 1 - len(times))
         return cls(times, cmd.elapsed())
 
+    def describe(self, n_parts: int, n_rows: int) -> str:
+        return ", ".join(f"{milestone_name(k, n_parts, n_rows)} {t:.0f}s" for k, t in enumerate(self.times)
+                         if k) + f", exit {self.life:.0f}s"
+
     def moment(self, fraction: float) -> tuple[int, float]:
         """The drawn moment, ``1 + fraction * (life - 1)`` seconds into the fault-free run, as (the last milestone
         reached by then, the seconds after it): a trial waits for that milestone, then for those seconds scaled by
-        how fast it got there, so the fault lands at the same point of the job whatever the machine's load."""
+        how fast it got there (at the latest until the next milestone), so the fault lands at the same point of the
+        job whatever the machine's load."""
         t = 1.0 + fraction * max(self.life - 1.0, 0.0)
         k = max(i for i, ti in enumerate(self.times) if ti <= t)
         return k, t - self.times[k]
@@ -242,7 +247,8 @@ class Trial:
             if due is None and reached >= k:
                 pace = cmd.elapsed() / timeline.times[k] if timeline.times[k] > 0 else 1.0
                 due = cmd.elapsed() + after * pace
-            if due is not None and cmd.elapsed() >= due and (pids := self.target(cmd)) is not None:
+            # due, or the next milestone already reached: the moment lies between the two in the fault-free run
+            if due is not None and (cmd.elapsed() >= due or reached > k) and (pids := self.target(cmd)) is not None:
                 res.moment_s = cmd.elapsed()
                 res.phase = milestone_name(milestone(cmd.text(), parts_on_disk(self.out), n_parts), n_parts, n_rows)
                 self.inject(cmd, pids)

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default=",".join(FAULTS), help="run only the seeds that draw these faults "
                     "(comma-separated); seed S draws fault S mod 7 in the order " + ", ".join(FAULTS))
     ap.add_argument("--samples", type=int, default=12)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--work", help="working directory (default: a new one under the temp dir; removed at the end "
                     "unless a trial failed)")
     args = ap.parse_args(argv)

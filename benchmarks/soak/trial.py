@@ -138,14 +138,19 @@ class Timeline:
         return ", ".join(f"{milestone_name(k, n_parts, n_rows)} {t:.0f}s" for k, t in enumerate(self.times)
                          if k) + f", exit {self.life:.0f}s"
 
-    def moment(self, fraction: float) -> tuple[int, float]:
+    def moment(self, fraction: float, window: tuple[int, int] | None = None) -> tuple[int, float]:
         """The drawn moment, ``1 + fraction * (life - 1)`` seconds into the fault-free run, as (the last milestone
         reached by then, the seconds after it): a trial waits for that milestone, then for those seconds scaled by
         how fast it got there (at the latest until the next milestone), so the fault lands at the same point of the
-        job whatever the machine's load."""
-        t = 1.0 + fraction * max(self.life - 1.0, 0.0)
+        job whatever the machine's load. ``window`` (two milestones) narrows the life to the span where the fault's
+        target exists: an actor lives from the actors' loading to the last row."""
+        lo, hi = 1.0, self.life
+        if window is not None:
+            lo, hi = self.times[window[0]], self.times[min(window[1], len(self.times) - 1)]
+        t = lo + fraction * max(hi - lo, 0.0)
         k = max(i for i, ti in enumerate(self.times) if ti <= t)
         return k, t - self.times[k]
+
 
 class Trial:
     def __init__(self, soak, draw: Draw):
@@ -238,8 +243,9 @@ class Trial:
         """Run the command; inject the fault at the drawn moment (``Timeline.moment``), or as soon after it as its
         target exists."""
         timeline = self.soak.timeline(self.draw.mode)  # first: it may run the fault-free submitted reference
-        k, after = timeline.moment(self.draw.fraction)
         n_parts, n_rows = self.soak.n_parts, self.soak.n_rows
+        window = (3, n_parts + 4) if self.draw.fault == "kill_actor" else None  # actors loading .. all rows written
+        k, after = timeline.moment(self.draw.fraction, window)
         cmd = self.run_once(0)
         due = None  # when the milestone is reached: now + the seconds after it, scaled by this run's pace
         while cmd.proc.poll() is None:

@@ -48,6 +48,7 @@ class Reference:
     rows: dict
     store: dict
     timelines: dict  # mode -> Timeline of its fault-free run
+    out: Path  # its output dir: a resumed trial starts from some of its parts
 
 
 class Soak:
@@ -162,7 +163,7 @@ class Soak:
         summary = checks.store_summary(store)
         if summary["bad"] or len(rows) != self.n_rows:
             raise SystemExit(f"the fault-free reference is not clean: {summary['bad']}, {len(rows)} rows")
-        self.reference = Reference(rows, summary, {"plain": timeline})
+        self.reference = Reference(rows, summary, {"plain": timeline}, out)
         print(f"[soak] reference: python jobs/detailcaps.py, {len(rows)} rows; "
               f"{timeline.describe(self.n_parts, self.n_rows)}", flush=True)
 
@@ -189,8 +190,9 @@ class Soak:
 def trial_line(r) -> str:
     d = r.draw
     where = f"at {r.moment_s:5.1f}s ({r.phase})" if r.landed else f"never landed ({r.phase})"
+    where += f", resumed from {r.resumed_parts} parts" if r.resumed_parts else ""
     verdict = "ok" if r.ok else "FAIL " + "; ".join(r.failures)
-    return (f"seed {d.seed:<4} {d.fault:<14} {d.mode:<7} {'server' if d.server else 'sqlite':<7} {where:<38} "
+    return (f"seed {d.seed:<4} {d.fault:<14} {d.mode:<7} {'server' if d.server else 'sqlite':<7} {where:<40} "
             f"reruns {r.reruns}  exits {r.exits}  {r.wall_s:5.0f}s  {verdict}")
 
 

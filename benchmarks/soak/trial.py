@@ -57,6 +57,7 @@ class Result:
     exits: list[int] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    resumed_parts: int = 0
 
     @property
     def ok(self) -> bool:
@@ -246,17 +247,20 @@ class Trial:
         n_parts, n_rows = self.soak.n_parts, self.soak.n_rows
         window = (3, n_parts + 4) if self.draw.fault == "kill_actor" else None  # actors loading .. all rows written
         k, after = timeline.moment(self.draw.fraction, window)
+        if k <= 2 and self.rng.random() < 0.5:
+            self.resume_from_half(res)  # the moment falls in the start-up: let that include a real resume scan
         cmd = self.run_once(0)
         due = None  # when the milestone is reached: now + the seconds after it, scaled by this run's pace
         while cmd.proc.poll() is None:
-            reached = milestone(cmd.text(), parts_on_disk(self.out), n_parts)
+            reached = milestone(cmd.text(), parts_on_disk(self.out) - res.resumed_parts, n_parts)
             if due is None and reached >= k:
                 pace = cmd.elapsed() / timeline.times[k] if timeline.times[k] > 0 else 1.0
                 due = cmd.elapsed() + after * pace
             # due, or the next milestone already reached: the moment lies between the two in the fault-free run
             if due is not None and (cmd.elapsed() >= due or reached > k) and (pids := self.target(cmd)) is not None:
                 res.moment_s = cmd.elapsed()
-                res.phase = milestone_name(milestone(cmd.text(), parts_on_disk(self.out), n_parts), n_parts, n_rows)
+                res.phase = milestone_name(milestone(cmd.text(), parts_on_disk(self.out) - res.resumed_parts,
+                                                     n_parts), n_parts, n_rows)
                 self.inject(cmd, pids)
                 res.landed = True
                 break
@@ -264,6 +268,16 @@ class Trial:
         if not res.landed:
             res.phase = f"the job ended before {milestone_name(k, n_parts, n_rows)} + {after:.1f}s"
         return cmd
+
+    def resume_from_half(self, res: Result) -> None:
+        """Start the first run from an output dir holding the first half of the reference's parts (whole, the same
+        config), as a stopped job's rerun does: its start-up then scans and verifies them (the resume scan), and it
+        computes only the other half. The rows and the store must still equal the reference's."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        parts = sorted(self.soak.reference.out.glob("part-*.parquet"))[: self.soak.n_parts // 2]
+        for p in parts:
+            shutil.copy2(p, self.out / p.name)
+        res.resumed_parts = len(parts)
 
     # ------------------------------------------------------------------ the trial
 

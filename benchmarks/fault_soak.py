@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         soak.make_reference()
+        if any(d.mode == "submit" for d in draws):
+            soak.timeline("submit")  # its fault-free reference, before any trial's clock starts
         for d in draws:
             r = Trial(soak, d).run()
             results.append(r)

@@ -13,6 +13,7 @@ line.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
 import pytest
@@ -28,13 +29,18 @@ def test_two_soak_trials_pass(tmp_path):
     argv = [PY, "-m", "benchmarks.fault_soak", "--samples", "2", "--max-new-tokens", "4", "--work", str(tmp_path)]
     for s in SEEDS:
         argv += ["--seed", str(s)]
-    r = subprocess.run(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
-                       timeout=850, check=False)
-    print(r.stdout[-3000:])
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    trials = [ln for ln in r.stdout.splitlines() if ln.startswith("seed ")]
-    assert [ln.split()[1] for ln in trials] == [str(s) for s in SEEDS], r.stdout
+    proc = subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=850)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the soak then stops every process it started (a SIGKILL would not)
+        stdout, stderr = proc.communicate()
+    print(stdout[-3000:])
+    assert proc.returncode == 0, stdout[-6000:] + stderr[-3000:]
+    trials = [ln for ln in stdout.splitlines() if ln.startswith("seed ")]
+    assert [ln.split()[1] for ln in trials] == [str(s) for s in SEEDS], stdout
     assert "kill_driver" in trials[0] and "sigint_driver" in trials[1]
     # each fault landed (a trial whose job ended first would test nothing) and every invariant held
-    assert all(" at " in ln and "never landed" not in ln for ln in trials), r.stdout
-    assert all(ln.rstrip().endswith("ok") for ln in trials), r.stdout
+    assert all(" at " in ln and "never landed" not in ln for ln in trials), stdout
+    assert all(ln.rstrip().endswith("ok") for ln in trials), stdout

@@ -312,3 +312,8 @@ def test_statistics_do_not_depend_on_the_order_rows_arrived(frame, analysis):
     again = analyze(later, bootstrap_resamples=2000, seed=0)
     for name in ("methods", "terciles", "correlations", "per_sample"):
         pd.testing.assert_frame_equal(getattr(again, name), getattr(analysis, name), check_exact=True, obj=name)
+    # the step histories too: tau 0.1, 0.2, 0.3 at step 0 sum to 0.6000000000000001 in this order, 0.6 reversed
+    rows = pd.DataFrame({"sample_id": ["s0", "s1", "s2"], "method": "rcr", "error": None,
+                         "tau": [[[0.1]], [[0.2]], [[0.3]]], "trigger": [[[1.0]], [[0.0]], [[1.0]]]})
+    pd.testing.assert_frame_equal(refresh_by_step(rows.iloc[::-1], "rcr"), refresh_by_step(rows, "rcr"),
+                                  check_exact=True)

@@ -8,9 +8,10 @@ What `ray job submit --working-dir . -- ...` does, through Ray's job submission 
 and status lines (INFO and SUCC records with ANSI colours), its upload notices, and the job manager's two preamble
 lines in the log. The working directory (the repository) is packaged as with ``--working-dir .``: the project's
 packages only, as ``.rayignore`` lists them. Exit status: 0 when the job succeeds; 1 when it fails or is stopped,
-after a line with Ray's reason; 130 on Ctrl-C, which leaves the job running and says how to stop it. Token
-authentication is read from the environment (RAY_AUTH_MODE, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH), as the CLI
-does.
+after one line with Ray's reason (its first line: the job's own log, already shown, is not repeated), or when the job
+server cannot be reached or is lost while the job runs (one line, e.g. the cluster was stopped); 130 on Ctrl-C, which
+leaves the job running and says how to stop it. Token authentication is read from the environment (RAY_AUTH_MODE,
+RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH), as the CLI does.
 """
 
 from __future__ import annotations
@@ -60,8 +61,32 @@ async def stream(client, submission_id: str) -> None:
         sys.stdout.flush()
 
 
+def reason(message: str | None) -> str:
+    """Ray's reason for a failed or stopped job, on one line: Ray appends the end of the job's log to it, which
+    this command has already printed."""
+    lines = (message or "").strip().splitlines()
+    return re.sub(r",? last available logs.*$", "", lines[0]) if lines else "no message"
+
+
+def cause(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
 def main(argv: list[str]) -> int:
     ns = parse(argv)
+    import aiohttp
+
+    try:
+        return _main(ns)
+    except (ConnectionError, OSError, aiohttp.ClientError) as e:  # the job server is down, or went away mid-job
+        print(f"[submit] lost the job server at {ns.address} ({cause(e)}); the job's state is unknown. Once the "
+              "cluster answers (infra/local_cluster.sh start), rerun the same command: it computes only the missing "
+              "rows", file=sys.stderr)
+        return 1
+
+
+def _main(ns: argparse.Namespace) -> int:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     # this process's Ray loggers (packaging notices, each upload, the websocket's close) at WARNING
@@ -85,7 +110,7 @@ def main(argv: list[str]) -> int:
         info = client.get_job_info(sid)
     if info.status == JobStatus.SUCCEEDED:
         return 0
-    print(f"[submit] job {sid} {info.status.value.lower()}: {info.message or 'no message'}", file=sys.stderr)
+    print(f"[submit] job {sid} {info.status.value.lower()}: {reason(info.message)}", file=sys.stderr)
     return 1
 
 

@@ -9,7 +9,10 @@ DetailCaps shards::
 ``--help`` lists every option; ``--config job.yaml`` takes them from a file. Installed, it is also ``rcr-eval``.
 """
 
-from pipeline.run.driver import main
+from pipeline.run import interrupt
+
+with interrupt.while_starting():  # a Ctrl-C while the job's modules load: one line, no traceback
+    from pipeline.run.driver import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,9 @@
 """``python jobs/eval.py --task video``: the evaluation job on the video task (see jobs/eval.py)."""
 
-from pipeline.run.driver import main
+from pipeline.run import interrupt
+
+with interrupt.while_starting():  # a Ctrl-C while the job's modules load: one line, no traceback
+    from pipeline.run.driver import main
 
 if __name__ == "__main__":
     raise SystemExit(main("video"))

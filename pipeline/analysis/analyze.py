@@ -124,6 +124,9 @@ def _split_rows(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     df = df.reset_index(drop=True)  # copies; a unique index is assumed below
     df[Col.MODEL] = model_series(df)
     df[Col.SAMPLE_ID] = df[Col.SAMPLE_ID].astype(str)
+    # in key order, whatever order the parts were read in: a batch retried after an actor's death lands in a later
+    # part, and a float sum in another order differs in its last bit (stable: duplicates keep their file order)
+    df = df.sort_values([Col.MODEL, Col.SAMPLE_ID, Col.METHOD], kind="stable", ignore_index=True)
     err_mask = df[Col.ERROR].notna() if Col.ERROR in df else pd.Series(False, index=df.index)
     errors = df.loc[err_mask, [Col.MODEL, Col.SAMPLE_ID, Col.METHOD] + ([Col.ERROR] if Col.ERROR in df else [])]
     d = df[~err_mask].copy()

@@ -27,6 +27,7 @@ TAG_KEY = "rcr.job_key"
 TAG_ROLE = "rcr.role"
 TAG_FP = "rcr.fingerprint"
 TAG_COMPLETE = "rcr.complete"
+TAG_SUPERSEDED = "rcr.superseded_by"  # on the runs of a job's older complete set: the parent that replaced it
 
 
 def resolve_tracking_uri(uri: str | None) -> str:

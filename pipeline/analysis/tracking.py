@@ -25,13 +25,15 @@ What it writes, per job:
   schema: ``keys_read_per_step``, ``reads_per_step``, ``bytes_moved_per_step``, ``tokens_per_s``, ...),
   tercile metrics, and ``refresh_rate_by_step`` / ``tau_mean_by_step`` as step histories.
 
-Idempotence: the parent carries ``rcr.job_key`` = hash(absolute output dir, config hash(es)) (the job
-name when no output dir is known) and ``rcr.fingerprint`` = hash(row contents, analysis settings,
-logging version). Logging a job whose key already has a complete parent with the same fingerprint does
-nothing and returns that run's id. Otherwise the new set of runs is logged first, marked complete
-(``rcr.complete=1``), and only then are all older runs with the same key deleted, so a crash at any
-point leaves at most one complete set, and the next call cleans up. ``jobs/backfill_mlflow.py`` uses
-the same function to rebuild the runs from a Parquet output directory.
+Idempotence: the parent carries ``rcr.job_key`` = hash(absolute output dir, config hash(es), the samples the job
+covers) (the job name when no output dir is known) and ``rcr.fingerprint`` = hash(row contents, analysis settings,
+logging version). Logging a job whose key already has a complete parent with the same fingerprint does nothing and
+returns that run's id. Otherwise the new set of runs is logged first, marked complete (``rcr.complete=1``), and only
+then is an older complete set with the same key superseded (kept, tagged ``rcr.superseded_by``, off the key) and
+what an interrupted call left deleted, so a crash at any point leaves at most one complete set under the key, and
+the next call cleans up. A job on other samples of the same directory (another ``--limit``) has another key: its
+runs and the others' stay side by side. ``jobs/backfill_mlflow.py`` uses the same function to rebuild the runs from
+a Parquet output directory (all its samples).
 
 Where: a store's experiment keeps its artifacts in the store's own ``mlartifacts/`` directory, whichever entry
 point made it (``pipeline/analysis/mlflow_store.py``). A call that fails part way marks the runs it started FAILED
@@ -63,6 +65,7 @@ from pipeline.analysis.mlflow_client import (
     TAG_FP,
     TAG_KEY,
     TAG_ROLE,
+    TAG_SUPERSEDED,
     check_tracking_server,
     resolve_tracking_uri,
 )
@@ -89,14 +92,18 @@ def _config_hashes(df: pd.DataFrame, config: dict | None) -> list[str]:
 
 
 def job_key(df: pd.DataFrame, config: dict | None = None, output_dir: str | os.PathLike | None = None,
-            job_name: str | None = None) -> str:
-    """The identity of a job's MLflow runs: hash of the absolute output dir and the config hash(es).
+            job_name: str | None = None, samples: list[str] | None = None) -> str:
+    """The identity of a job's MLflow runs: hash of the absolute output dir, the config hash(es) and the samples
+    the job covers (``samples``, default: those of ``df``), so that a job on another subset of the same directory
+    (another ``--limit``) has runs of its own.
 
     Without an output dir (neither the argument nor ``config["output_dir"]``), the job name is used.
     The driver and the backfill command derive the same key for the same output."""
     out = output_dir or (config or {}).get("output_dir")
     where = str(Path(out).expanduser().resolve()) if out else f"job:{job_name or (config or {}).get('job_name')}"
-    blob = json.dumps({"where": where, "config_hash": _config_hashes(df, config)}, sort_keys=True)
+    ids = sorted(set(map(str, samples if samples is not None else df[Col.SAMPLE_ID].dropna())))
+    blob = json.dumps({"where": where, "config_hash": _config_hashes(df, config),
+                       "samples": hashlib.sha256("\n".join(ids).encode()).hexdigest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -126,7 +133,8 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
             experiment: str | None = DEFAULT_EXPERIMENT, job_name: str | None = None,
             artifacts_dir: str | os.PathLike | None = None, *, analysis: Analysis | None = None,
             output_dir: str | os.PathLike | None = None, bootstrap_resamples: int | None = None,
-            seed: int | None = None, force: bool = False, verbose: bool = True) -> str:
+            seed: int | None = None, force: bool = False, verbose: bool = True,
+            samples: list[str] | None = None) -> str:
     """Log a finished job to MLflow (one parent run, one child run per method); idempotent.
 
     Args:
@@ -143,7 +151,8 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
         analysis: a ready :class:`pipeline.analysis.analyze.Analysis` of ``df``; computed when ``None``.
         output_dir: the job's Parquet directory; part of the job key, so pass it (the driver and the
             backfill command must agree on it).
-        force: log a new set of runs even when an identical complete one exists (the old one is deleted).
+        force: log a new set of runs even when an identical complete one exists (the old one is superseded).
+        samples: the sample ids the job covers (its ``--limit``), part of the job key; default: ``df``'s.
 
     Returns:
         The parent run id (of the existing run when nothing had to be logged).
@@ -166,11 +175,11 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
 
     client = mlflow_client.client(tracking_uri)
     exp_id = mlflow_client.experiment_id(client, experiment, tracking_uri)
-    key = job_key(df, config, output_dir, job_name)
+    key = job_key(df, config, output_dir, job_name, samples)
     mlflow_ui.set_job_view(client, exp_id, key)  # what the printed runs URL opens (also for runs logged without it)
     fp = data_fingerprint(df, {"bootstrap_resamples": bootstrap_resamples, "seed": seed})
     existing = mlflow_client.find_job_runs(client, exp_id, key)
-    done = None if force else _complete_parent(client, existing, fp)
+    done = None if force else _complete_parent(client, existing, fp, key)
     if done is not None:
         if verbose:
             print(f"[mlflow] job already logged (parent run {done}, key {key}); nothing to do")
@@ -189,12 +198,19 @@ def log_job(df: pd.DataFrame, config: dict | None, tracking_uri: str | None = DE
     except BaseException:
         mlflow_store.fail_runs(client, started)
         raise
-    # only now remove what this replaces (an older set with the same key, or an interrupted one)
-    n_del = mlflow_client.delete_runs(client, existing, {parent_id})
+    # only now set aside what this replaces: an older complete set with the same key is kept, tagged superseded (its
+    # links still open); what an interrupted call left (never shown: the links are printed only once complete) goes.
+    # Searched again: MLflow's client retries every request whose answer was lost (a server killed mid-call), so a
+    # retried create_run leaves a run of this key that is not among those this call started
+    mine = set(started)
+    older = _supersede(client, [r for r in mlflow_client.find_job_runs(client, exp_id, key)
+                                if r.info.run_id not in mine], parent_id, key)
     if verbose:
-        what = f"replaced {n_del} older run(s)" if n_del else "new"
         print(f"[mlflow] logged job '{job_name}' to {tracking_uri}, experiment '{experiment}': parent run "
-              f"{parent_id} ({what})")
+              f"{parent_id} (new)")
+        for old in older:
+            print(f"[mlflow] parent run {old} of the same job and samples, logged earlier from other rows or settings, "
+                  f"is superseded by {parent_id}: kept, tagged {TAG_SUPERSEDED}")
         _print_ui(tracking_uri, exp_id, parent_id, key)
     return parent_id
 
@@ -204,16 +220,33 @@ def _print_ui(tracking_uri: str, exp_id: str, parent_id: str, key: str) -> None:
         print(f"[mlflow] {line}")
 
 
-def _complete_parent(client, existing: list, fp: str) -> str | None:
-    """The id of a complete parent run with fingerprint ``fp`` among ``existing`` (whose other runs, the
-    leftovers of an interrupted earlier call, are deleted), or None."""
+def _is_complete_parent(r) -> bool:
+    t = r.data.tags
+    return t.get(TAG_ROLE) == "parent" and t.get(TAG_COMPLETE) == "1" and r.info.status == "FINISHED"
+
+
+def _supersede(client, existing: list, new_parent: str, key: str) -> list[str]:
+    """Every complete parent among ``existing`` (runs with the job's key, from before ``new_parent`` was logged) and
+    its method runs: tagged ``rcr.superseded_by`` and moved off the job's key (the job's runs view shows the new
+    set), kept. Every other run there, the leftovers of an interrupted call, is deleted. Returns the parents kept."""
+    kept = [r.info.run_id for r in existing if _is_complete_parent(r)]
     for r in existing:
-        t = r.data.tags
-        if (t.get(TAG_ROLE) == "parent" and t.get(TAG_FP) == fp and t.get(TAG_COMPLETE) == "1"
-                and r.info.status == "FINISHED"):
-            stale = [x for x in existing if x.info.run_id != r.info.run_id
-                     and x.data.tags.get("mlflow.parentRunId") != r.info.run_id]
-            mlflow_client.delete_runs(client, stale, set())
+        if r.info.run_id in kept or r.data.tags.get("mlflow.parentRunId") in kept:
+            client.set_tag(r.info.run_id, TAG_SUPERSEDED, new_parent)
+            client.set_tag(r.info.run_id, TAG_KEY, f"superseded:{key}")
+    mlflow_client.delete_runs(client, [r for r in existing if r.info.run_id not in kept
+                                       and r.data.tags.get("mlflow.parentRunId") not in kept], {new_parent})
+    return kept
+
+
+def _complete_parent(client, existing: list, fp: str, key: str) -> str | None:
+    """The id of a complete parent run with fingerprint ``fp`` among ``existing``, or None. The other runs there are
+    set aside as :func:`_supersede` does (a call interrupted after logging that parent left them)."""
+    for r in existing:
+        if _is_complete_parent(r) and r.data.tags.get(TAG_FP) == fp:
+            mine = {r.info.run_id}
+            _supersede(client, [x for x in existing if x.info.run_id not in mine
+                                and x.data.tags.get("mlflow.parentRunId") not in mine], r.info.run_id, key)
             return r.info.run_id
     return None
 

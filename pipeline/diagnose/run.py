@@ -211,6 +211,8 @@ def log_run(cfg: JobConfig, figs: list[premises.Figure], files: list[Path], n_sa
 def run(cfg: JobConfig, probe_samples: int, argv: list[str] | tuple[str, ...] = ()) -> int:
     """The premise check; ``argv``: the command's flags, for the line that says how to log it again."""
     result = driver.run(cfg)
+    if result["status"] == "interrupted":  # Ctrl-C: the driver said what it left, in one line
+        return 128 + result["signal"]
     if result["status"] != "ok":
         return 1
     store = OutputStore(cfg.output_dir)

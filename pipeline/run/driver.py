@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from typing import Any
@@ -31,13 +32,13 @@ from pipeline import quiet
 from pipeline.analysis import mlflow_store, mlflow_ui, report, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.quiet import say
-from pipeline.run import calibration, preflight, ray_stages
+from pipeline.run import calibration, interrupt, preflight, ray_stages
 from pipeline.run.cli import job_config
 from pipeline.run.config import JobConfig
 from pipeline.run.inputs import scan_inputs
 from pipeline.run.plan import driver_error_table, new_record, new_run_id, plan_job
-from pipeline.run.store import OutputStore
-from pipeline.run.writer import PartWriter, Progress
+from pipeline.run.store import OutputStore, PartWriteError
+from pipeline.run.writer import PartWriter, Progress, write_failed_line
 from rcr.config import ConfigError
 
 MLFLOW_FAILED_EXIT = 3  # the Parquet output is complete but MLflow logging failed (jobs/backfill_mlflow.py)
@@ -57,18 +58,58 @@ def resolve_calibration(cfg: JobConfig, inputs: tuple) -> calibration.Calibratio
     return cal
 
 
+class JobState:
+    """What is known of a job as it goes, for the one line an interruption prints (``_interrupted``)."""
+
+    def __init__(self):
+        self.run_id: str | None = None
+        self.record: dict[str, Any] | None = None
+        self.n_pairs: int | None = None  # the job's rows (samples in scope x methods), once planned
+        self.n_existing = 0  # of those, already in the output dir when it started
+        self.during: str | None = None  # what it was doing, when that is worth saying ("logging to MLflow")
+
+
 def run(cfg: JobConfig) -> dict[str, Any]:
     """Run one job to completion (or to the first unrecoverable failure). Returns a report dict.
 
-    The job holds the output directory's lock from planning to the end (see ``OutputStore.acquire``)."""
+    The job holds the output directory's lock from planning to the end (see ``OutputStore.acquire``). An
+    interruption (``interrupt.Interrupted``: SIGINT or SIGTERM inside ``interrupt.interruptible``, or a bare
+    KeyboardInterrupt) ends it with ``status: interrupted`` in its run record and the report, and one line."""
     store = OutputStore(cfg.output_dir)
+    state = JobState()
     try:
-        return _run(cfg, store)
+        return _run(cfg, store, state)
+    except (interrupt.Interrupted, KeyboardInterrupt) as e:
+        return _interrupted(cfg, store, state, e)
+    except OSError as e:  # the output dir's lock or run record cannot be written (e.g. the disk is full)
+        say(f"the job stopped: {e}. The part files written are whole; fix that, then rerun the same command: it "
+            "computes only the missing rows")
+        return {"run_id": state.run_id, "status": "failed", "error": str(e), "output_dir": cfg.output_dir}
     finally:
         store.release()
 
 
-def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
+def _interrupted(cfg: JobConfig, store: OutputStore, state: JobState, e: BaseException) -> dict[str, Any]:
+    """The run record marked interrupted and the one line: K of N rows on disk (counted from the part files this run
+    renamed into place, so a write interrupted after its rename counts), and that the same command resumes."""
+    signum = interrupt.signal_of(e)
+    done = None
+    if state.run_id is not None and state.n_pairs is not None:
+        done = state.n_existing + len(store.run_keys(state.run_id))
+        if state.record is not None:
+            state.record.update(status="interrupted", error=f"interrupted by {signal.Signals(signum).name}"
+                                + (f" while {state.during}" if state.during else ""), n_written=done - state.n_existing,
+                                n_missing=state.n_pairs - done, finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            try:
+                store.write_run_record(state.run_id, state.record)
+            except OSError as err:  # e.g. the disk is full: the parts on disk are what counts
+                say(f"could not update the run record in {store.root}: {err}")
+    say(interrupt.line(done, state.n_pairs, cfg.output_dir, state.during))
+    return {"run_id": state.run_id, "status": "interrupted", "signal": signum, "output_dir": cfg.output_dir,
+            "n_pairs": state.n_pairs, "n_written": None if done is None else done - state.n_existing}
+
+
+def _run(cfg: JobConfig, store: OutputStore, state: JobState) -> dict[str, Any]:
     t_start = time.perf_counter()
     quiet.quiet_driver_logging()
     inputs = scan_inputs(cfg)  # bad shards: field 'shards', before the model is looked at
@@ -85,15 +126,21 @@ def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
         f"{plan.n_existing} already in the output dir, {plan.n_todo_pairs} to compute "
         f"({n_samples_todo} samples), run id {run_id}")
     record = new_record(cfg, run_id, paths, plan)
+    state.run_id, state.n_pairs, state.n_existing = run_id, plan.n_pairs, plan.n_existing
     store.write_run_record(run_id, record)
+    state.record = record
 
     progress = Progress(plan.n_todo_pairs, n_samples_todo, cfg.progress_every_s)
     writer = PartWriter(store, run_id, {(k, m) for k, m in record["planned"]}, progress, t_start)
-    if plan.driver_errors:
-        writer.write(driver_error_table(cfg, plan))
-    payload = cal.payload()
+    status, error = "ok", None
     try:
-        status, error = ray_stages.stream(cfg, paths, plan, writer, payload) if plan.todo else ("ok", None)
+        if plan.driver_errors:
+            writer.write(driver_error_table(cfg, plan))
+        if plan.todo:
+            status, error = ray_stages.stream(cfg, paths, plan, writer, cal.payload())
+    except PartWriteError as e:  # the driver's own error rows could not be written (e.g. the disk is full)
+        say(write_failed_line(e))
+        status, error = "failed", str(e)
     except ConfigError as e:  # the cluster cannot run this config (no GPU, no node holds an actor): exit 2
         record.update(status="failed", error=str(e), finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
         store.write_run_record(run_id, record)
@@ -119,7 +166,9 @@ def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
            "write_samples": writer.write_samples,
            "first_write_samples": writer.write_samples[0] if writer.write_samples else 0}
     if cfg.summary:
-        out.update(summarize(cfg, store))
+        state.during = "logging to MLflow"
+        out.update(summarize(cfg, store, [r.key for r in plan.rows], log=not missing))
+        state.during = None
     say(f"Parquet: {cfg.output_dir}  (pandas: pd.read_parquet({cfg.output_dir!r}))")
     db = mlflow_ui.store_path(cfg.mlflow_uri)
     where = f"store: {db}" if db else "a tracking server: its own UI"
@@ -130,13 +179,20 @@ def _run(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
 # ---------------------------------------------------------------------- summary
 
 
-def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
-    """The per-method summary of the whole output dir (this run and earlier ones), and MLflow logging."""
+def summarize(cfg: JobConfig, store: OutputStore, samples: list[str], log: bool = True) -> dict[str, Any]:
+    """The per-method summary of this job's ``samples`` (its rows in scope, written by this run or earlier ones), and
+    its MLflow runs, keyed on the output dir, the config and those samples: a job on another subset of the same
+    directory (``--limit``) gets its own parent run and leaves the others as they are. ``log=False`` (rows missing):
+    no MLflow runs; the rerun that completes the rows logs them."""
     table = store.read()
     if table is None:
         return {}
     df = table.to_pandas()
-    df = df[(df["config_hash"] == cfg.config_hash) & (df["method"].isin(cfg.methods))]
+    df = df[df["config_hash"] == cfg.config_hash]
+    in_dir = df["sample_id"].nunique()
+    df = df[df["method"].isin(cfg.methods) & df["sample_id"].isin(set(samples))]
+    if df.empty:
+        return {}
     out: dict[str, Any] = {}
     text = None
     analysis = None
@@ -147,32 +203,58 @@ def summarize(cfg: JobConfig, store: OutputStore) -> dict[str, Any]:
         say(f"the statistics failed ({type(e).__name__}: {e}); printing the minimal summary")
     if text is None:
         text = report.minimal_summary(df)
+    say(scope_line(sorted(set(df["sample_id"])), len(samples), in_dir))
     print(text, flush=True)
     out["summary"] = text
+    if not log:
+        say("MLflow: not logged, since the job's rows are not all written; the same command computes the missing "
+            "ones and logs the job")
+        return out
     try:
         tracking.check_tracking_server(cfg.mlflow_uri)
         info = tracking.log_job(df=df, config=cfg.record(), analysis=analysis, tracking_uri=cfg.mlflow_uri,
-                                experiment=cfg.experiment, output_dir=cfg.output_dir, job_name=cfg.job_name)
+                                experiment=cfg.experiment, output_dir=cfg.output_dir, job_name=cfg.job_name,
+                                samples=samples)
         out["mlflow"] = info
     except Exception as e:  # noqa: BLE001 - the rows are written: report, and exit with MLFLOW_FAILED_EXIT
         out["mlflow_error"] = mlflow_store.error_cause(e)
         when = "when the server answers again" if mlflow_ui.is_server(cfg.mlflow_uri) else "once that is fixed"
+        how = (f"python jobs/backfill_mlflow.py --output-dir {cfg.output_dir} --tracking-uri {cfg.mlflow_uri}"
+               if len(samples) == in_dir else "the same command again (it computes nothing more)")
         say(f"MLflow logging failed ({out['mlflow_error']}); any run it started is marked FAILED, and the Parquet "
-            f"output is complete. Log it {when}: python jobs/backfill_mlflow.py --output-dir {cfg.output_dir} "
-            f"--tracking-uri {cfg.mlflow_uri}")
+            f"output is complete. Log it {when}: {how}")
     return out
+
+
+def scope_line(ids: list[str], n_job: int, n_dir: int) -> str:
+    """Which samples the summary and the MLflow runs cover: this job's (``--limit``), of the output dir's. ``ids``:
+    the job's samples that have rows; ``n_job``: the job's samples; ``n_dir``: the output dir's of this config."""
+    span = ids[0] if len(ids) == 1 else f"{ids[0]} … {ids[-1]}"
+    where = ("every sample of this config in the output dir" if n_job == n_dir else
+             f"the output dir holds {n_dir} sample(s) of this config, and covers only these")
+    gap = f"; {n_job - len(ids)} of them have no rows yet" if len(ids) < n_job else ""
+    return f"summary of this job's {n_job} sample(s) ({span}): {where}{gap}"
 
 
 def main(task: str | None = None, argv: list[str] | None = None) -> int:
     """The jobs' entry point (``jobs/eval.py``, ``rcr-eval``; ``task``: a task's own alias, ``jobs/detailcaps.py``):
     parse + validate the config, run, exit non-zero on failure (docs/pipeline.md, "Exit status")."""
+    cfg = result = None
     try:
-        cfg = job_config(argv, task=task)
-        with quiet.stderr_without(quiet.RAY_ACTOR_RESTART_NOTICE):
-            result = run(cfg)
+        with interrupt.interruptible():
+            cfg = job_config(argv, task=task)
+            with quiet.stderr_without(quiet.RAY_ACTOR_RESTART_NOTICE):
+                result = run(cfg)
     except ConfigError as e:
         print(f"[rcr-job] {e}", file=sys.stderr, flush=True)
         return 2
+    except interrupt.Interrupted as e:
+        if result is None:  # before run() took over (parsing the flags, starting the stderr filter)
+            say(interrupt.line(None, None, cfg.output_dir if cfg else None))
+            return e.exit_status
+        # after the job had finished and said so (while the stderr filter drained): its status stands
+    if result["status"] == "interrupted":
+        return 128 + result["signal"]
     if result["status"] != "ok":
         return 1
     if result.get("mlflow_error"):

@@ -69,9 +69,14 @@ def plan_job(cfg: JobConfig, store: OutputStore, inputs: tuple) -> tuple[list[st
 
 
 def open_output_dir(store: OutputStore) -> None:
-    """Lock the output directory for this job, then clear what a killed writer left: stale temporaries,
-    and parts that do not read back whole (moved to _corrupt/, so their rows are planned again)."""
+    """Lock the output directory for this job, then clear what a killed writer left: run records left ``running``
+    (marked ``died``), stale temporaries, and parts that do not read back whole (moved to _corrupt/, so their rows
+    are planned again)."""
     store.acquire()
+    dead = store.mark_dead_runs()
+    if dead:
+        say(f"run(s) {', '.join(dead)} ended without updating their record (killed, or the node or cluster was lost): "
+            "marked died")
     if store.remove_stale_temps():
         say(f"removed the temporary file(s) of an interrupted write in {store.root}")
     for name in store.set_aside_corrupt():

@@ -12,13 +12,13 @@ import os
 
 from pipeline import quiet
 from pipeline.quiet import say
-from pipeline.run import placement, preflight, ray_local
+from pipeline.run import interrupt, placement, preflight, ray_local
 from pipeline.run.actor import SampleEvaluator
 from pipeline.run.config import REPO_ROOT, JobConfig
 from pipeline.run.plan import Plan
 from pipeline.run.select import select_planned
 from pipeline.run.store import PartWriteError
-from pipeline.run.writer import PartWriter
+from pipeline.run.writer import PartWriter, write_failed_line
 from pipeline.schema import INPUT_SCHEMA
 
 # Memory a read/select task asks for. Ray Data's high-memory detector warns when a stage's workers use more than
@@ -42,6 +42,12 @@ def init_ray(cfg: JobConfig):
 
     if ray.is_initialized():
         return ray
+    _init(ray, cfg)
+    interrupt.reclaim()  # ray.init's own SIGTERM handler would end the driver before it says what it left
+    return ray
+
+
+def _init(ray, cfg: JobConfig) -> None:
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, log_to_driver=True, logging_level=quiet.RAY_LOGGING_LEVEL)
     elif os.environ.get("RAY_ADDRESS"):  # inside `ray job submit`: the job's cluster
@@ -59,7 +65,6 @@ def init_ray(cfg: JobConfig):
                        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                            p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}})
         ray_local.record_session(ctx.address_info["session_dir"])  # for `infra/local_cluster.sh clean`
-    return ray
 
 
 def light_repartition(ds, rows: int, read: dict):
@@ -126,7 +131,12 @@ def build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: placem
 def stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter,
             calibration_payload: dict | None = None) -> tuple[str, str | None]:
     """The model work, through Ray: every result block to ``writer``. Returns (status, error)."""
-    ray = init_ray(cfg)
+    try:
+        ray = init_ray(cfg)
+    except Exception as e:  # noqa: BLE001 - e.g. Ray's own start-up timeout on a busy machine: one line, exit 1
+        error = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        say(f"could not start or join Ray ({error}); rerun the same command: it computes only the missing rows")
+        return "failed", error
     preflight.check_cluster(cfg, ray.cluster_resources())
     nodes = placement.alive_nodes(ray)
     res = placement.plan_actors(cfg, nodes)  # ConfigError (exit 2) if no node shape can hold the stages
@@ -146,8 +156,7 @@ def stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter,
             for block in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
                 writer.write(block)
     except PartWriteError as e:
-        say(f"writing the output failed: {e}. Free space there, then rerun the same command: it computes "
-            "only the missing rows")
+        say(write_failed_line(e))
         return "failed", str(e)
     except Exception as e:  # noqa: BLE001 - record, report, and exit non-zero below
         error = f"{type(e).__name__}: {e}"

@@ -137,6 +137,31 @@ class OutputStore:
                 "with the same model (and weights), task, max_new_tokens, dtype and rcr settings.")
         return keys
 
+    def run_keys(self, run_id: str) -> set[tuple[str, str]]:
+        """The keys in the parts run ``run_id`` renamed into place."""
+        keys: set[tuple[str, str]] = set()
+        for f in self.root.glob(f"{PART_PREFIX}{run_id}-*.parquet"):
+            t = pq.read_table(f, columns=["sample_id", "method"])
+            keys.update(zip(t.column("sample_id").to_pylist(), t.column("method").to_pylist()))
+        return keys
+
+    def mark_dead_runs(self) -> list[str]:
+        """Run records still ``running`` when a job takes the lock belong to jobs that ended without a word (SIGKILL,
+        a lost node or cluster): mark them ``died``. Call while holding the lock. Returns their run ids."""
+        dead = []
+        for p in sorted((self.root / RUNS_DIR).glob("*.json")):
+            try:
+                rec = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("status") == "running":
+                rec.update(status="died", error="the job ended without updating this record (killed, or its node or "
+                                                "cluster was lost); found by the next job on this directory at "
+                                                + time.strftime("%Y-%m-%dT%H:%M:%S"))
+                self.write_run_record(p.stem, rec)
+                dead.append(p.stem)
+        return dead
+
     def write_part(self, table: pa.Table, run_id: str, seq: int) -> Path:
         try:
             self.root.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,12 @@ from pipeline.quiet import say
 from pipeline.run.store import OutputStore
 
 
+def write_failed_line(e: OSError) -> str:
+    """The job's one line when a part cannot be written (``PartWriteError``, e.g. the disk is full)."""
+    return f"writing the output failed: {e}. Free space there, then rerun the same command: it computes only the " \
+           "missing rows"
+
+
 class Progress:
     """The job's one progress line: on every part written when ``every_s`` has passed, and from a heartbeat
     thread (:meth:`heartbeat`) every ``every_s`` while the model stage runs, so the cadence stays steady
@@ -25,6 +31,8 @@ class Progress:
         self.errors = 0
         self.t0 = time.perf_counter()
         self.last = 0.0
+        self.t_row = self.t0  # when the last rows arrived
+        self.pairs_shown = 0  # rows at the previous line
         self.lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -46,6 +54,7 @@ class Progress:
     def update(self, table: pa.Table, force: bool = False) -> None:
         with self.lock:
             self.pairs += table.num_rows
+            self.t_row = time.perf_counter()
             self.samples.update(table.column("sample_id").to_pylist())
             self.errors += table.num_rows - table.column("error").null_count
         self.report(force=force or self.pairs >= self.total_pairs)
@@ -64,6 +73,9 @@ class Progress:
             rate = len(self.samples) / el if el > 0 else 0.0
             left = self.total_samples - len(self.samples)
             eta = f", ETA {left / rate:.0f}s" if rate > 0 and left > 0 else ""
+            if left > 0 and self.pairs == self.pairs_shown:  # no rows since the last line: an ETA would only grow
+                eta = f", waiting for the next batch ({now - self.t_row:.0f}s since the last rows)"
+            self.pairs_shown = self.pairs
             say(f"progress: {self.pairs}/{self.total_pairs} rows, {len(self.samples)}/{self.total_samples} samples, "
                 f"{self.errors} error rows, {rate:.2f} samples/s, {el:.0f}s elapsed{eta}")
 

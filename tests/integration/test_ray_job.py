@@ -6,7 +6,8 @@ stopped by its own pid in the fixture teardown). The tests:
 1. N samples x M methods -> exactly N*M rows, no duplicate (sample_id, method), with the real core.
 2. An actor is SIGKILLed mid-batch (at a gate after K samples); Ray restarts it and retries its batch;
    still exactly N*M rows.
-3. The job is stopped at a gate after K samples and resubmitted; the second run computes only the missing rows.
+3. The job is stopped at a gate after K samples (`ray job stop`: SIGTERM): it says in one line how many rows it
+   left and marks its run record interrupted; resubmitted, it computes only the missing rows.
 4. A shard with one example of each bad input: each bad one becomes error rows, each good one has output.
 """
 
@@ -176,6 +177,15 @@ def test_stopped_job_resumes_only_missing_rows(head, tmp_path):
     assert len(first_files) == n_first == k
     assert len(first) == n_first * len(methods) == len(set(_keys(first)))
     k = len(first)
+    # `ray job stop` sends SIGTERM: the job says in one line what it left, with no traceback, and its record says so
+    stopped_log = head.job_logs(sub)
+    said = [ln for ln in stopped_log.splitlines() if "interrupted" in ln]
+    assert said == [f"[rcr-job] interrupted: {k} of {n * len(methods)} rows written to {out}; the same command "
+                    "resumes"], stopped_log[-4000:]
+    assert "Traceback" not in stopped_log and "SIGTERM received" not in stopped_log, stopped_log[-4000:]
+    record = json.loads(next((out / "_runs").glob("*.json")).read_text())
+    assert record["status"] == "interrupted" and record["error"] == "interrupted by SIGTERM"
+    assert not list(out.glob(".tmp-*"))
 
     log = _submit_ok(head, args)  # the same command again
     assert f"{k} already in the output dir, {n * len(methods) - k} to compute" in log

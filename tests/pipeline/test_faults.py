@@ -10,6 +10,7 @@ at once, a tracking server killed mid-job) are in tests/integration/test_faults.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shlex
 
@@ -158,6 +159,28 @@ def test_out_of_memory_on_one_sample_errors_only_that_sample(job):
     assert (df[df["error"].isna()]["n_steps"] > 0).all()
     rep2 = run_inline(job["argv"]("--no-summary", "--batch-size", "4"))
     assert rep2["n_written"] == 0  # error rows are rows: the output is complete
+
+
+def test_ray_that_does_not_start_is_one_line_and_the_same_command_completes(job, monkeypatch, capsys):
+    """The soak's `ray stop` landing while a plain job's private Ray started: ray.init raised out of the driver (a
+    traceback, exit 1, the record left running). Now: one line, the record failed, nothing written; the rerun
+    computes every row."""
+    inline_driver.install(monkeypatch.setattr)
+
+    def no_ray(cfg):
+        raise ConnectionError("ray client connection timeout\n  (the GCS did not answer)")
+
+    monkeypatch.setattr(driver.ray_stages, "init_ray", no_ray)
+    assert driver.main("detailcaps", job["argv"]("--no-summary")) == 1
+    log = capsys.readouterr().out
+    assert ("[rcr-job] could not start or join Ray (ConnectionError: ray client connection timeout (the GCS did not "
+            "answer)); rerun the same command: it computes only the missing rows") in log.splitlines()
+    assert "Traceback" not in log and not parts(job["out"])
+    (rec,) = (job["out"] / "_runs").glob("*.json")
+    assert json.loads(rec.read_text())["status"] == "failed"
+    inline_driver.install(monkeypatch.setattr)  # Ray is back
+    assert run_inline(job["argv"]("--no-summary"))["status"] == "ok"
+    assert_exact(job["out"], job["ids"])
 
 
 def test_mlflow_server_down_for_the_whole_job_then_backfill(job, monkeypatch, capsys):

@@ -185,7 +185,22 @@ def test_progress_says_it_waits_until_the_first_batch_then_counts(capsys):
     assert "0/4 rows, waiting for the first batch" in waiting and "samples/s" not in waiting
     p.update(pa.table({"sample_id": ["a", "a"], "error": pa.array([None, "bad"], pa.string())}), force=True)
     line = capsys.readouterr().out
-    assert "progress: 2/4 rows, 1/2 samples, 1 error rows" in line and "samples/s" in line
+    assert "progress: 2/4 rows, 1/2 samples, 1 error rows" in line and "samples/s" in line and "ETA" in line
+
+
+def test_progress_says_waiting_instead_of_a_growing_eta_while_no_rows_arrive(capsys):
+    """An ETA from the mean rate only grows while no rows arrive; the line says it waits for the next batch."""
+    from pipeline.run.writer import Progress as _Progress
+
+    p = _Progress(total_pairs=4, total_samples=2, every_s=60)
+    p.update(pa.table({"sample_id": ["a", "a"], "error": pa.array([None, None], pa.string())}), force=True)
+    assert "ETA" in capsys.readouterr().out
+    p.report(force=True)  # the heartbeat's next line, no rows since
+    line = capsys.readouterr().out
+    assert "2/4 rows" in line and "waiting for the next batch" in line and "ETA" not in line
+    p.update(pa.table({"sample_id": ["b", "b"], "error": pa.array([None, None], pa.string())}), force=True)
+    done = capsys.readouterr().out
+    assert "4/4 rows" in done and "waiting" not in done
 
 
 def test_the_actor_loads_its_model_without_a_progress_bar(monkeypatch):

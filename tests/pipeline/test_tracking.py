@@ -155,26 +155,63 @@ def test_backfill_twice_leaves_one_set_of_runs(job, capsys):
     assert {"plots/fidelity_ci.png", "tables/per_sample.parquet"} <= _artifact_paths(c2, parents2[0].info.run_id)
 
 
-def test_changed_rows_replace_the_runs(job):
-    """A resumed job that added rows: the next log replaces the set, still one set of runs."""
+def test_other_samples_get_their_own_runs_and_changed_rows_supersede_without_deleting(job, capsys):
+    """A job on other samples of the same directory (another --limit) logs its own parent and leaves the first as it
+    is; changed rows for the same samples supersede the older set, which stays (its printed links still open),
+    tagged and off the job's key, and the log says so; an interrupted attempt's incomplete parent is deleted."""
     uri = _store(job["tmp"], "replace.db")
     df = pd.read_parquet(job["out"])
     kw = dict(config=job["config"], tracking_uri=uri, experiment="rcr-test", output_dir=str(job["out"]),
-              job_name="tiny-job", verbose=False)
-    first = tracking.log_job(df=df[df.sample_id != "s0000"], **kw)
-    second = tracking.log_job(df=df, **kw)
-    assert first != second
-    _, parents, children = _active_runs(uri, "rcr-test")
-    assert [p.info.run_id for p in parents] == [second]
-    assert len(children) == len(METHODS) and all(r.data.tags["mlflow.parentRunId"] == second for r in children)
-    # an interrupted earlier attempt (incomplete parent with the same key) is cleaned up by the next call
-    c = MlflowClient(tracking_uri=uri)
+              job_name="tiny-job")
+    fewer = tracking.log_job(df=df[df.sample_id != "s0000"], verbose=False, **kw)
+    every = tracking.log_job(df=df, verbose=False, **kw)
+    c, parents, children = _active_runs(uri, "rcr-test")
+    assert fewer != every and {p.info.run_id for p in parents} == {fewer, every}
+    assert {p.info.status for p in parents + children} == {"FINISHED"}
+    assert len(children) == 2 * len(METHODS)
+
+    capsys.readouterr()
+    changed = df.assign(output_text=df.output_text.where(df.sample_id != "s0001", "other words"))
+    third = tracking.log_job(df=changed, **kw)
+    out = capsys.readouterr().out
+    assert f"parent run {every} of the same job and samples" in out and f"superseded by {third}" in out
+    c, parents, children = _active_runs(uri, "rcr-test")
+    assert {p.info.run_id for p in parents} == {fewer, every, third}  # nothing deleted
+    old = c.get_run(every)
+    assert old.info.status == "FINISHED" and old.data.tags["rcr.superseded_by"] == third
+    key = c.get_run(third).data.tags["rcr.job_key"]
     exp = c.get_experiment_by_name("rcr-test").experiment_id
-    c.create_run(exp, run_name="interrupted", tags={"rcr.job_key": parents[0].data.tags["rcr.job_key"],
-                                                    "rcr.role": "parent", "rcr.complete": "0"})
-    assert tracking.log_job(df=df, **kw) == second
+    current = c.search_runs([exp], filter_string=f"tags.`rcr.job_key` = '{key}'")  # what the job's runs view shows
+    assert {r.info.run_id for r in current} == {third} | {
+        r.info.run_id for r in children if r.data.tags["mlflow.parentRunId"] == third}
+    assert all(r.data.tags.get("rcr.superseded_by") == third for r in children
+               if r.data.tags["mlflow.parentRunId"] == every)
+
+    # an interrupted earlier attempt (incomplete parent with the same key) is cleaned up by the next call
+    c.create_run(exp, run_name="interrupted", tags={"rcr.job_key": key, "rcr.role": "parent", "rcr.complete": "0"})
+    assert tracking.log_job(df=changed, verbose=False, **kw) == third
     _, parents, _ = _active_runs(uri, "rcr-test")
-    assert [p.info.run_id for p in parents] == [second]
+    assert {p.info.run_id for p in parents} == {fewer, every, third}
+
+
+def test_a_run_made_twice_by_a_retried_request_is_not_left_running(job, monkeypatch):
+    """MLflow's client retries a request whose answer was lost (the tracking server killed after it created a run):
+    the first run it made is nobody's, RUNNING. Here every create_run makes one such run first; after log_job none
+    is RUNNING and the job has one parent with one run per method."""
+    uri = _store(job["tmp"], "retried.db")
+    real = MlflowClient.create_run
+
+    def twice(self, *a, **k):
+        real(self, *a, **k)  # the answer that never arrived
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(MlflowClient, "create_run", twice)
+    pid = tracking.log_job(df=pd.read_parquet(job["out"]), config=job["config"], tracking_uri=uri,
+                           experiment="rcr-test", output_dir=str(job["out"]), job_name="tiny-job", verbose=False)
+    c, parents, children = _active_runs(uri, "rcr-test")
+    assert [p.info.run_id for p in parents] == [pid] and len(children) == len(METHODS)
+    every = c.search_runs([c.get_experiment_by_name("rcr-test").experiment_id], run_view_type=3)  # deleted too
+    assert len(every) == 2 * (1 + len(METHODS)) and "RUNNING" not in {r.info.status for r in every}
 
 
 def test_reference_metrics_absent_without_references(job):
@@ -197,6 +234,9 @@ def test_job_key_and_uri():
     a = tracking.job_key(df, {}, "/x/out")
     assert a == tracking.job_key(df, {"output_dir": "/x/out"}) != tracking.job_key(df, {}, "/x/other")
     assert a != tracking.job_key(df.assign(config_hash="h2"), {}, "/x/out")
+    # the samples the job covers: by default the rows', else the ones given (a job's --limit)
+    ids = sorted(df.sample_id.unique())
+    assert a == tracking.job_key(df, {}, "/x/out", samples=ids) != tracking.job_key(df, {}, "/x/out", samples=ids[:2])
     assert tracking.resolve_tracking_uri(None).startswith("sqlite:////")
     assert tracking.resolve_tracking_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
     assert tracking.resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"

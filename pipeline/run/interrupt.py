@@ -1,0 +1,112 @@
+"""Ctrl-C and ``ray job stop`` as normal events: the job stops where it is, says in one line what it left, and exits
+with ``128 + signal`` (130 for SIGINT, 143 for SIGTERM).
+
+A terminal's Ctrl-C sends SIGINT to the job's whole process group; ``ray job stop`` sends SIGTERM to the
+entrypoint's process group (and SIGKILL 3 s later, ``RAY_JOB_STOP_WAIT_TIME_S``). Inside :func:`interruptible`
+either signal raises :class:`Interrupted` in the main thread, wherever it is (planning, the Ray stages, a part
+write, MLflow logging); every later one is ignored, so the clean-up that follows (the run record, the one line,
+MLflow's runs marked FAILED) is not itself interrupted. What a part write leaves is already clean: its temporary is
+removed by ``rcr.fileio.atomic_path`` on any exception, and a part is renamed into place whole or not at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):  # noqa: N818 - a BaseException like KeyboardInterrupt: `except Exception` lets it by
+    """The job was asked to stop by ``signum``; ``exit_status`` is the shell's ``128 + signum``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
+def signal_of(e: BaseException) -> int:
+    """The signal behind an interruption: ``Interrupted``'s, or SIGINT for a bare ``KeyboardInterrupt``."""
+    return e.signum if isinstance(e, Interrupted) else signal.SIGINT
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Inside: the first SIGINT or SIGTERM raises :class:`Interrupted`; later ones are ignored until the block ends.
+    Outside the main thread (where Python cannot install handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+
+    def handler(signum, frame):
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    handler.rcr_interrupt = True  # what reclaim() looks for
+    for s in SIGNALS:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def while_starting() -> Iterator[None]:
+    """Around a job script's imports (the driver's modules take seconds, a minute on a busy machine), before
+    :func:`interruptible` takes over: SIGINT or SIGTERM prints the one line and ends the process at once with
+    ``128 + signal``, instead of a KeyboardInterrupt traceback from somewhere in an import. Nothing is written yet."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+
+    def handler(signum, frame):
+        print(f"[rcr-job] {line(None, None, None)}", flush=True)
+        os._exit(128 + signum)
+
+    for s in SIGNALS:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def reclaim() -> None:
+    """Put :func:`interruptible`'s handlers back at the C level. ``ray.init`` installs the core worker's failure
+    signal handler, which for SIGTERM prints a stack trace and ends the process (``*** SIGTERM received ...``) before
+    Python's handler runs; Python still reports its own handler, so this re-installs it. A no-op outside
+    :func:`interruptible` or the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in SIGNALS:
+        h = signal.getsignal(s)
+        if getattr(h, "rcr_interrupt", False):
+            signal.signal(s, h)
+
+
+def line(done: int | None, total: int | None, output_dir: str | None, during: str | None = None) -> str:
+    """The job's one line when interrupted: how many of its rows are on disk, where, and what to do (``total``
+    None: before the job planned its rows)."""
+    what = f" while {during}" if during else ""
+    if total is None:
+        where = f" (output dir {output_dir})" if output_dir else ""
+        return f"interrupted{what} before the job planned its rows: this run wrote nothing{where}; the same command " \
+               "resumes"
+    return f"interrupted{what}: {done} of {total} rows written to {output_dir}; the same command resumes"

@@ -1,0 +1,133 @@
+"""A job interrupted (SIGINT / SIGTERM: ``pipeline.run.interrupt.Interrupted``) at each kind of point, in this
+process (tests/inline_driver.py: the driver's own code, no Ray): between batches, mid part write, just after a part's
+rename, during MLflow logging. Each time: one line saying how many of the job's rows are on disk (counted from the
+part files), the run record marked interrupted, nothing half-written, and the same command completes the job. A
+record left ``running`` by a job that died without a word is marked ``died`` by the next one. The signals themselves,
+sent to a real job process: tests/integration/test_interrupt.py and test_ray_job.py.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from pipeline.analysis import tracking
+from pipeline.run import interrupt, store
+from pipeline.run.store import OutputStore
+from tests.fault_helpers import METHODS, N, assert_exact, assert_one_parent_one_child_per_method, make_job, run_inline
+from tests.pipeline_helpers import FakeEngine
+
+
+@pytest.fixture
+def job(tmp_path):
+    return make_job(tmp_path)
+
+
+def _record(out) -> dict:
+    (rec,) = (out / "_runs").glob("*.json")
+    return json.loads(rec.read_text())
+
+
+def _interrupted_line(out, done: int) -> str:
+    return f"[rcr-job] interrupted: {done} of {N * len(METHODS)} rows written to {out}; the same command resumes"
+
+
+def test_interrupted_between_batches(job, monkeypatch, capsys):
+    real = FakeEngine.run
+
+    def run(self, *a, **k):  # the third model batch: the signal lands while the engine works
+        if self.calls == 2:
+            raise interrupt.Interrupted(signal.SIGTERM)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(FakeEngine, "run", run)
+    rep = run_inline(job["argv"]("--no-summary"))
+    out = job["out"]
+    assert rep["status"] == "interrupted" and rep["signal"] == signal.SIGTERM
+    assert _interrupted_line(out, 2 * len(METHODS)) in capsys.readouterr().out.splitlines()
+    rec = _record(out)
+    assert rec["status"] == "interrupted" and rec["error"] == "interrupted by SIGTERM"
+    assert rec["n_written"] == 2 * len(METHODS) and rec["n_missing"] == (N - 2) * len(METHODS)
+    monkeypatch.setattr(FakeEngine, "run", real)
+    assert run_inline(job["argv"]("--no-summary"))["status"] == "ok"
+    assert_exact(out, job["ids"])
+
+
+@pytest.mark.parametrize("where", ["mid-write", "after-rename"])
+def test_interrupted_in_a_part_write(job, monkeypatch, capsys, where):
+    """Mid-write: the temporary goes, the part never appears. Just after the rename (before the writer counts it):
+    the part is whole and counts in the line."""
+    real, calls = store.atomic_write_table, [0]
+
+    def write(table, path):
+        calls[0] += 1
+        if calls[0] < 3:
+            return real(table, path)
+        if where == "mid-write":
+            with store.atomic_path(path) as fh:
+                fh.write(b"PAR1 half")
+                raise interrupt.Interrupted(signal.SIGINT)
+        real(table, path)
+        raise interrupt.Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(store, "atomic_write_table", write)
+    rep = run_inline(job["argv"]("--no-summary"))
+    out = job["out"]
+    done = (2 if where == "mid-write" else 3) * len(METHODS)
+    assert rep["status"] == "interrupted" and rep["n_written"] == done
+    assert _interrupted_line(out, done) in capsys.readouterr().out.splitlines()
+    assert not list(out.glob(".tmp-*")) and len(list(out.glob("part-*.parquet"))) == done // len(METHODS)
+    monkeypatch.setattr(store, "atomic_write_table", real)
+    rep = run_inline(job["argv"]("--no-summary"))
+    assert rep["status"] == "ok" and rep["n_existing"] == done
+    assert_exact(out, job["ids"])
+
+
+def test_interrupted_while_logging_to_mlflow_then_the_same_command_logs(job, monkeypatch, capsys):
+    """All rows are written; the signal lands in the second method run: the runs started are marked FAILED, none
+    RUNNING, the line says so; the same command computes nothing and logs one set of runs."""
+    real, calls = tracking._log_child, []
+
+    def child(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise interrupt.Interrupted(signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(tracking, "_log_child", child)
+    rep = run_inline(job["argv"]())
+    out, uri = job["out"], f"sqlite:///{job['tmp'] / 'mlflow.db'}"
+    assert rep["status"] == "interrupted"
+    total = N * len(METHODS)
+    assert (f"[rcr-job] interrupted while logging to MLflow: {total} of {total} rows written to {out}; the same "
+            "command resumes") in capsys.readouterr().out.splitlines()
+    from mlflow import MlflowClient
+
+    c = MlflowClient(uri)
+    runs = [r for e in c.search_experiments() for r in c.search_runs([e.experiment_id])]
+    assert runs and {r.info.status for r in runs} == {"FAILED"}
+    assert _record(out)["status"] == "interrupted"
+    monkeypatch.setattr(tracking, "_log_child", real)
+    rep = run_inline(job["argv"]())
+    assert rep["status"] == "ok" and rep["n_written"] == 0 and "mlflow_error" not in rep
+    assert_one_parent_one_child_per_method(uri)
+
+
+def test_a_record_left_running_is_marked_died_by_the_next_job(job, capsys):
+    out = job["out"]
+    (out / "_runs").mkdir(parents=True)
+    (out / "_runs" / "old.json").write_text(json.dumps({"run_id": "old", "status": "running"}))
+    assert run_inline(job["argv"]("--no-summary"))["status"] == "ok"
+    assert "run(s) old ended without updating their record" in capsys.readouterr().out
+    old = json.loads((out / "_runs" / "old.json").read_text())
+    assert old["status"] == "died" and "killed, or its node or cluster was lost" in old["error"]
+    assert [json.loads(p.read_text())["status"] for p in (out / "_runs").glob("*.json")].count("ok") == 1
+
+
+def test_run_keys_counts_only_that_runs_parts(job):
+    assert run_inline(job["argv"]("--no-summary"))["status"] == "ok"
+    s = OutputStore(job["out"])
+    run_id = _record(job["out"])["run_id"]
+    assert len(s.run_keys(run_id)) == N * len(METHODS) and s.run_keys("another-run") == set()

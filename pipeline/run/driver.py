@@ -81,6 +81,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         return _run(cfg, store, state)
     except (interrupt.Interrupted, KeyboardInterrupt) as e:
         return _interrupted(cfg, store, state, e)
+    except SystemError as e:  # a signal that landed inside a C extension's call (interrupt.behind)
+        if (i := interrupt.behind(e)) is None:
+            raise
+        return _interrupted(cfg, store, state, i)
     except OSError as e:  # the output dir's lock or run record cannot be written (e.g. the disk is full)
         say(f"the job stopped: {e}. The part files written are whole; fix that, then rerun the same command: it "
             "computes only the missing rows")
@@ -200,6 +204,7 @@ def summarize(cfg: JobConfig, store: OutputStore, samples: list[str], log: bool 
         analysis = analyze(df)
         text = report.format_summary(analysis)
     except Exception as e:  # noqa: BLE001 - the summary must never lose the outputs
+        interrupt.unwrap(e)
         say(f"the statistics failed ({type(e).__name__}: {e}); printing the minimal summary")
     if text is None:
         text = report.minimal_summary(df)
@@ -217,6 +222,7 @@ def summarize(cfg: JobConfig, store: OutputStore, samples: list[str], log: bool 
                                 samples=samples)
         out["mlflow"] = info
     except Exception as e:  # noqa: BLE001 - the rows are written: report, and exit with MLFLOW_FAILED_EXIT
+        interrupt.unwrap(e)
         out["mlflow_error"] = mlflow_store.error_cause(e)
         when = "when the server answers again" if mlflow_ui.is_server(cfg.mlflow_uri) else "once that is fixed"
         how = (f"python jobs/backfill_mlflow.py --output-dir {cfg.output_dir} --tracking-uri {cfg.mlflow_uri}"

@@ -36,6 +36,27 @@ class Interrupted(BaseException):  # noqa: N818 - a BaseException like KeyboardI
         return 128 + self.signum
 
 
+def behind(e: BaseException) -> Interrupted | None:
+    """The :class:`Interrupted` that ``e`` stands for, if any. The signal handler raises where the main thread is;
+    when that is inside a C extension's call (Ray's Cython core worker: ``ray.wait`` under Ray Data's read of the
+    inputs, or the wait for the next batch), the call comes out as ``SystemError: ... returned a result with an
+    exception set``, with the Interrupted as its cause; an ``except Exception`` would take it for a failure."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, Interrupted):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def unwrap(e: BaseException) -> None:
+    """Raise the :class:`Interrupted` behind ``e`` (:func:`behind`), if any: first thing in an ``except Exception``
+    that would report ``e`` as a failure."""
+    if (i := behind(e)) is not None and i is not e:
+        raise i from None
+
+
 def signal_of(e: BaseException) -> int:
     """The signal behind an interruption: ``Interrupted``'s, or SIGINT for a bare ``KeyboardInterrupt``."""
     return e.signum if isinstance(e, Interrupted) else signal.SIGINT

@@ -134,6 +134,7 @@ def stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter,
     try:
         ray = init_ray(cfg)
     except Exception as e:  # noqa: BLE001 - e.g. Ray's own start-up timeout on a busy machine: one line, exit 1
+        interrupt.unwrap(e)
         error = f"{type(e).__name__}: {' '.join(str(e).split())}"
         say(f"could not start or join Ray ({error}); rerun the same command: it computes only the missing rows")
         return "failed", error
@@ -159,6 +160,7 @@ def stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter,
         say(write_failed_line(e))
         return "failed", str(e)
     except Exception as e:  # noqa: BLE001 - record, report, and exit non-zero below
+        interrupt.unwrap(e)
         error = f"{type(e).__name__}: {e}"
         say(f"the Ray pipeline failed: {error}")
         return "failed", error

@@ -131,3 +131,48 @@ def test_run_keys_counts_only_that_runs_parts(job):
     s = OutputStore(job["out"])
     run_id = _record(job["out"])["run_id"]
     assert len(s.run_keys(run_id)) == N * len(METHODS) and s.run_keys("another-run") == set()
+
+
+def _in_a_c_call(signum: int) -> SystemError:
+    """What a signal handler's exception becomes when it is raised inside a C extension's call (Ray's Cython
+    ``CoreWorker.wait``): a SystemError whose cause is the Interrupted."""
+    try:
+        raise interrupt.Interrupted(signum)
+    except interrupt.Interrupted as i:
+        e = SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set")
+        e.__cause__ = i
+        return e
+
+
+@pytest.mark.parametrize("where", ["reading the inputs", "waiting for a batch"])
+def test_interrupted_inside_a_c_call_is_the_interruption_not_a_failure(job, monkeypatch, capsys, where):
+    """The fault soak's SIGINT while the actors loaded (Ray Data's read waits in ``ray.wait``): a SystemError
+    carrying the Interrupted is the interruption (one line, exit 130, the record interrupted), not a traceback or a
+    'the Ray pipeline failed' line; and the same command completes the job."""
+    from tests.inline_driver import InlineDataset  # what the driver's build_dataset gives without Ray
+
+    init, batches = InlineDataset.__init__, InlineDataset.iter_batches
+
+    def build(self, *a, **k):  # ray.data.read_parquet, in build_dataset: where the soak's signal landed
+        raise _in_a_c_call(signal.SIGINT)
+
+    def iter_batches(self, **kw):  # the driver's wait for the next batch
+        it = batches(self, **kw)
+        yield next(it)
+        raise _in_a_c_call(signal.SIGINT)
+
+    if where == "reading the inputs":
+        monkeypatch.setattr(InlineDataset, "__init__", build)
+    else:
+        monkeypatch.setattr(InlineDataset, "iter_batches", iter_batches)
+    rep = run_inline(job["argv"]("--no-summary"))
+    out = job["out"]
+    assert rep["status"] == "interrupted" and rep["signal"] == signal.SIGINT
+    done = 0 if where == "reading the inputs" else len(METHODS)  # batch size 1: one sample's rows
+    printed = capsys.readouterr().out
+    assert _interrupted_line(out, done) in printed.splitlines() and "pipeline failed" not in printed
+    assert _record(out)["status"] == "interrupted"
+    monkeypatch.setattr(InlineDataset, "__init__", init)
+    monkeypatch.setattr(InlineDataset, "iter_batches", batches)
+    assert run_inline(job["argv"]("--no-summary"))["status"] == "ok"
+    assert_exact(out, job["ids"])

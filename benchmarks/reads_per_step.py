@@ -17,7 +17,8 @@ and InfiniGen read 64 vectors per step"):
   refresh fraction); detector Np·rank/d dot products (Np/16 at d=128, rank 8).
 - quest / arkvale / infinigen: 64 vectors (32 keys + 32 values); summaries of 2 vectors per page (Np/8) for
   Quest/ArkVale, Np/4 partial keys for InfiniGen. ArkVale's own recalls into its page cache are printed apart.
-- exact: Np keys + 32 values. bacon / prefill_oracle / full: 0.
+- exact: Np keys + 32 values. refreshkv: 2·Np·r (every prefix key and value at a full step, r the fraction of
+  full steps). bacon / prefill_oracle / full: 0.
 - Offload bytes per step (all layers and KV heads): L'·Hkv·160·r·d·s, L' the re-selected layers (r is over
   them), s = bytes per element.
 """
@@ -39,7 +40,6 @@ from pipeline.tasks import TASKS
 from rcr.embedded import model_dir
 from rcr.models import build_inputs, geometry
 
-METHODS = ["full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale", "infinigen"]
 OFFLOAD = ["fixed", "rcr", "rcr_layer"]
 EMBEDDED = str(model_dir())
 
@@ -79,6 +79,8 @@ def model_reads(m, np_: float, r: float, d: int) -> tuple[str, float, float, str
         return "64", 2.0 * s, np_ * round(m.partial_ratio * d) / d, "64"
     if label == "exact":
         return "Np+32", np_ + s, 0.0, "prefix scan"
+    if label == "refreshkv":  # a full step reads the layer's whole prefix, keys and values; r: its full steps
+        return "2·Np·r", 2.0 * np_ * r, 0.0, "-"
     return "0", 0.0, 0.0, "-"
 
 
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--image-size", type=int, default=896, help="for synthetic/random images (896: 1,024 tokens)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(rcr.METHODS))
     ap.add_argument("--infinigen-calibration",
                     help="directory from python -m rcr.calibrate_infinigen (default: calibrate offline here, on "
                          "4 held-out prompts of the same kind, and store it beside --json)")

@@ -54,6 +54,10 @@ def _add_recipe_flags(group) -> None:
             group.add_argument(flag, nargs="+", metavar="TASK=W", type=_none_or(_mix_word), help=help)
         elif kind.startswith("tuple[str"):
             group.add_argument(flag, nargs="*", metavar="TASK", help=help)
+        elif kind.startswith("tuple[int"):
+            group.add_argument(flag, nargs="+", metavar="LAYER", type=int, help=help)
+        elif kind.startswith("tuple[float"):
+            group.add_argument(flag, nargs=2, metavar=("LOW", "HIGH"), type=float, help=help)
         else:
             group.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], help=help)
 

@@ -8,7 +8,10 @@ with the pipeline's own statistics (``analyze``: ROUGE-L fidelity against the un
 report. Exit status 1 if a bar is missed.
 
     python jobs/eval_embedded.py                                   # the shipped model, 100 samples per task
+    python jobs/eval_embedded.py --model embedded-drift            # the drift test bed, by its own bars
     python jobs/eval_embedded.py --model ~/rcr-runs/train_embedded/model --n 20   # a candidate, quick look
+
+A model is judged by the bars its recipe calls for (``bars.bar_set``) on the scene layout it was trained on.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from embedded import bars as B
-from embedded.probes.common import evaluate_task
+from embedded.probes.common import evaluate_task, layout_flag, model_layout
 from pipeline.analysis.analyze import analyze
 from pipeline.analysis.labels import BACON, PREFILL_ORACLE
 from pipeline.data import synthetic as S
@@ -64,9 +67,9 @@ def layer_probes(model_name: str, layout: str, seed: int, picks: dict[str, str],
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=EMBEDDED, help="'embedded' (the shipped model) or a model directory")
-    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS),
-                    help="scene layout the model was trained on (default: the shipped model's)")
+    ap.add_argument("--model", default=EMBEDDED, help="'embedded' (the shipped model), 'embedded-drift' (the drift "
+                    "test bed) or a model directory")
+    layout_flag(ap)
     ap.add_argument("--n", type=int, default=100, help="held-out samples per task (the bars need >= 100)")
     ap.add_argument("--tasks", default=",".join(TASK_METHODS), help="comma-separated subset of tasks")
     ap.add_argument("--seed", type=int, default=S.HELDOUT_SEED, help="held-out seed (training never uses it)")
@@ -79,6 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.attention_samples < 0:
         ap.error(f"--attention-samples must be >= 0, got {args.attention_samples}")
+    args.layout = model_layout(args.model, args.layout)
     args.tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in args.tasks if t not in TASK_METHODS]
     if unknown or not args.tasks:
@@ -88,10 +92,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    judged = B.bar_set(args.model)
     bars: list[B.Bar] = []
     tables: dict[str, str] = {}
     figs: list[premises.Figure] = []
-    print(f"model {args.model}; scene layout {args.layout}; {args.n} held-out samples per task (seed {args.seed})")
+    print(f"model {args.model}; scene layout {args.layout}; {args.n} held-out samples per task (seed {args.seed}); "
+          f"{judged.name}")
     for task in args.tasks:
         cfg = JobConfig.from_dict(dict(task=task, model=args.model, methods=TASK_METHODS[task], device="cpu",
                                        batch_size=args.batch_size, torch_threads=args.threads,
@@ -99,22 +105,32 @@ def main(argv=None) -> int:
         rows = evaluate_task(cfg, task, args.n, args.seed, args.layout)
         a = analyze(rows, baselines=(BACON, PREFILL_ORACLE) if task != "video" else ())
         tables[task] = B.method_table(task, a)
-        bars.append(B.quality_bar(task, a))
+        bars.append(B.quality_bar(task, a, judged))
         if task == "detailcaps":
             order = sorted(rows["sample_id"].unique(), key=S.scene_index)
-            picks = premises.probe_picks(a, order, args.attention_samples)
+            terc = a
+            if judged.tercile_samples is not None:  # the test bed's terciles: its first tercile_samples samples
+                order = order[:judged.tercile_samples]
+                terc = analyze(rows[rows["sample_id"].isin(order)], baselines=(BACON, PREFILL_ORACLE))
+            picks = premises.probe_picks(terc, order, args.attention_samples)
             probes = layer_probes(args.model, args.layout, args.seed, picks, args.threads) \
                 if args.attention_samples else (None, None, None, None)
             figs = premises.figures(a, *probes)
-            bars += B.premise_bars(figs, rows) + B.aims(figs)
-        if task == "textcaps":
+            if judged is B.TESTBED:
+                tercile_figs = premises.drift_spread(terc) + premises.tercile_staleness(terc)
+                print(f"\n=== drift terciles of the first {len(order)} detailcaps samples ===")
+                print(premises.table(tercile_figs))
+                bars += B.testbed_bars(tercile_figs, figs)
+            else:
+                bars += B.premise_bars(figs, rows) + B.aims(figs)
+        if task == "textcaps" and judged is B.DEFAULT:
             bars.append(B.short_answer_bar(a))
     print("\n=== per method (fidelity = ROUGE-L against the uncompressed output; paired bootstrap 95% CI) ===")
     print("\n".join(tables.values()))
     if figs:
         print("\n=== premise check, detailcaps (jobs/diagnose.py's figures) ===")
         print(premises.table(figs))
-    print("\n=== bars (32 selected + 32 window) ===")
+    print(f"\n=== {judged.name} (32 selected + 32 window) ===")
     print("\n".join(b.line() for b in bars))
     ok = all(b.passed for b in bars if not b.aim)
     print("\nALL BARS MET" if ok else "\nSOME BARS MISSED")

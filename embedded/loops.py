@@ -13,7 +13,7 @@ from pathlib import Path
 from . import checkpoints
 from .curriculum import CURRICULUM_ID, batch_plan, cooled_lr, cosine_lr, make_batch
 from .losses import optimizer_step
-from .recipe import ALL_FIELDS, Recipe
+from .recipe import POLISH_FIELDS, Recipe
 from .sink import HeldSink, sink_logit_at
 
 
@@ -39,9 +39,10 @@ class Meter:
     def __init__(self):
         self.loss, self.correct, self.count, self.scenes, self.n = 0.0, 0, 0, 0, 0
         self.masses: list[float] = []
+        self.shares: list[tuple[float, float]] = []  # (target, share) per sample the share loss saw
         self.t0 = time.time()
 
-    def add(self, loss, logits, tgt, n_scenes: int, mass=None) -> None:
+    def add(self, loss, logits, tgt, n_scenes: int, mass=None, shares=None, targets=None) -> None:
         mask = tgt != -100
         self.correct += int(((logits.argmax(-1) == tgt) & mask).sum())
         self.count += int(mask.sum())
@@ -50,12 +51,26 @@ class Meter:
         self.scenes += n_scenes
         if mass is not None:
             self.masses.append(float(mass))
+        if shares is not None:
+            self.shares += list(zip(targets.tolist(), shares.tolist()))
 
     def line(self) -> str:
         rate = self.scenes / max(time.time() - self.t0, 1e-9)
         cell = f" cell {sum(self.masses) / len(self.masses):.3f}" if self.masses else ""  # the grounding target
-        return (f"loss {self.loss / max(1, self.n):.4f} tok_acc {self.correct / max(1, self.count):.4f}{cell} "
-                f"scenes/s {rate:.1f}")
+        return (f"loss {self.loss / max(1, self.n):.4f} tok_acc {self.correct / max(1, self.count):.4f}{cell}"
+                f"{self.share_line()} scenes/s {rate:.1f}")
+
+    def share_line(self) -> str:
+        """' share low / high third a / b (target c / d)': the image share the share loss saw in the samples with
+        the lowest and the highest third of targets, and their mean targets."""
+        if len(self.shares) < 3:
+            return ""
+        pairs = sorted(self.shares)
+        k = len(pairs) // 3
+        lo, hi = pairs[:k], pairs[-k:]
+        mean = lambda xs, i: sum(x[i] for x in xs) / len(xs)  # noqa: E731
+        return (f" share low / high third {mean(lo, 1):.3f} / {mean(hi, 1):.3f} "
+                f"(target {mean(lo, 0):.3f} / {mean(hi, 0):.3f})")
 
 
 class Trainer:
@@ -91,6 +106,10 @@ class Trainer:
         return make_batch(self.builder, r.seed, self.step, r.steps, r.batch_scale, r.layout,
                           ground=r.ground_tasks if r.ground_loss else ())[1]
 
+    def share(self):
+        """The share loss this stage adds (``losses.Share``), or None."""
+        return None
+
     # --- mechanics
     def checkpoint(self) -> None:
         checkpoints.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
@@ -115,13 +134,15 @@ class Trainer:
         if self.sink is not None:
             self.sink.set_logit(self.sink_logit())
         self.last_lr = self.lr()  # the rate this step trains at, which log() reports
-        loss, logits, tgt, mass = optimizer_step(self.model, self.opt, batch, self.last_lr, r.ground_loss,
-                                                 r.ground_layer, ground_spread=self.ground_spread())
+        targets = batch.get("share_target")
+        loss, logits, tgt, mass, shares = optimizer_step(self.model, self.opt, batch, self.last_lr, r.ground_loss,
+                                                         r.ground_layer, ground_spread=self.ground_spread(),
+                                                         share=self.share())
         if self.sink is not None:
             self.sink.restore()  # undo weight decay on the held entries (their gradients are already zero)
         self.step += 1
         with torch.no_grad():
-            meter.add(loss, logits, tgt, n, mass)
+            meter.add(loss, logits, tgt, n, mass, shares, targets)
 
     def log(self, meter: Meter) -> None:
         import torch
@@ -192,33 +213,45 @@ class Polisher(Trainer):
     checkpoints to ``ckpt_path`` (polish.pt), from which it resumes."""
 
     name = "polish "
+    fields = POLISH_FIELDS  # the recipe fields a checkpoint of this stage must agree on to resume it
 
     def __init__(self, recipe: Recipe, opts: RunOptions, model, opt, builder, ckpt_path: Path, elapsed_before: float,
                  sink: HeldSink | None = None):
         step = 0
         if ckpt_path.exists() and not opts.fresh:
-            step, elapsed_before = load_into(ckpt_path, model, opt, recipe, ALL_FIELDS)
+            step, elapsed_before = load_into(ckpt_path, model, opt, recipe, self.fields)
         super().__init__(recipe, opts, model, opt, builder, ckpt_path, step, elapsed_before, sink)
-        self.total = recipe.polish_steps
+        self.total = self.stage_steps()
+
+    def stage_steps(self) -> int:
+        return self.r.polish_steps
 
     def lr(self) -> float:
-        return cooled_lr(self.r.polish_lr, self.r.polish_cooldown, self.r.polish_steps, self.step)
+        return cooled_lr(self.r.polish_lr, self.r.polish_cooldown, self.total, self.step)
 
     def sink_logit(self) -> float:
         return sink_logit_at(self.r.sink_logit, self.r.sink_ramp, 1.0)  # where the main stage left it
 
     def plan_step(self) -> int:
-        """The curriculum step this polish step draws its batch from: the main stage's last ``polish_steps``."""
-        return self.r.steps - self.r.polish_steps + self.step
+        """The curriculum step this step draws its batch from: the main stage's last ``total`` (this stage's
+        steps)."""
+        return self.r.steps - self.total + self.step
+
+    def layout(self) -> str:
+        """The scene layout of this stage's descriptions and captions."""
+        return self.r.layout
+
+    def plan(self):
+        """(task, layout, [(seed, index, n_objects)], canvas strength) of this step's batch."""
+        r = self.r
+        return batch_plan(r.polish_seed, self.plan_step(), r.steps, r.batch_scale, self.layout(), r.polish_mix)
 
     def ground_spread(self) -> bool:
-        r = self.r
-        task = batch_plan(r.polish_seed, self.plan_step(), r.steps, r.batch_scale, r.layout, r.polish_mix)[0]
-        return task in r.polish_ground_spread
+        return self.plan()[0] in self.r.polish_ground_spread
 
     def batch(self) -> dict:
         r = self.r
-        return make_batch(self.builder, r.polish_seed, self.plan_step(), r.steps, r.batch_scale, r.layout,
+        return make_batch(self.builder, r.polish_seed, self.plan_step(), r.steps, r.batch_scale, self.layout(),
                           ground=r.polish_ground_tasks if r.ground_loss else (), mix=r.polish_mix)[1]
 
 

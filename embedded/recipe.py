@@ -24,6 +24,8 @@ from .curriculum import LAST_PHASE
 
 RECIPE_NAME = "recipe.json"
 GROUNDED_TASKS = ("detailcaps", "textcaps")  # the tasks with grounding targets (video has none)
+SHARE_HEADS = ("layer", "kv")
+SHARE_GROUND = ("image", "whole")
 
 
 def _bad(name: str, message: str) -> ConfigError:
@@ -68,6 +70,26 @@ class Recipe:
     polish_ground_tasks: tuple[str, ...] = _f("the tasks the polish stage's grounding loss supervises")
     polish_ground_spread: tuple[str, ...] = _f("tasks whose polish-stage grounding asks for the step's attention "
                                                "spread evenly over the cell's tokens, not only its mass on the cell")
+    # The share stage (``embedded/share.py``), after the polish stage: the drift test bed's. Its defaults leave a
+    # recipe without it as it was, so a recipe file need not name these fields.
+    share_steps: int = _f("share stage: steps of the polish stage's batches on share_layout's scenes with the share "
+                          "loss; 0 skips it", default=0)
+    share_layout: str = _f("the share stage's scene layout: a tinted one (synthetic.scene_tint sets each sample's "
+                           "target)", default="v6")
+    share_loss: float = _f("weight of the share loss (losses.image_share_loss)", default=0.3)
+    share_range: tuple[float, float] = _f("the target image share at tint 0 and at tint 1, log-linear in between",
+                                          default=(0.01, 0.3))
+    share_layers: tuple[int, ...] = _f("the decoder layers whose image share the share loss supervises (Python "
+                                       "indices)", default=(1, 2, 3))
+    share_tasks: tuple[str, ...] = _f("the tasks the share loss supervises", default=("detailcaps",))
+    share_heads: str = _f("what the share loss holds to the target: 'layer' (the mean over a layer's heads) or 'kv' "
+                          "(each KV head's mean over its query heads)", default="layer")
+    share_ground: str = _f("what the share stage's grounding loss asks of a description step that writes an "
+                           "attribute: the cell's share of the step's 'image' mass, or of its 'whole' mass (as the "
+                           "polish stage, the drift test bed's)", default="whole")
+    share_value_lr_scale: float = _f("the share stage trains the decoder's value projections at this multiple of its "
+                                     "rate: a read that carries a small share of the attention needs larger values",
+                                     default=1.0)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -75,6 +97,7 @@ class Recipe:
                 raise _bad(f.name, "missing")
         self._check_stages()
         self._check_grounding()
+        self._check_share()
 
     def _check_stages(self) -> None:
         if self.size not in MODEL_SIZES:
@@ -124,6 +147,32 @@ class Recipe:
             raise _bad("polish_ground_spread", "acts on the grounding loss in the polish stage: needs "
                                                       "polish_steps and ground_loss")
 
+    def _check_share(self) -> None:
+        if self.share_steps < 0:
+            raise _bad("share_steps", f"{self.share_steps}; give a value >= 0")
+        if self.share_layout not in S.LAYOUTS or not S.get_layout(self.share_layout).tinted:
+            tinted = [n for n, lay in S.LAYOUTS.items() if lay.tinted]
+            raise _bad("share_layout", f"{self.share_layout!r}; choose a tinted layout: {', '.join(tinted)}")
+        if not self.share_loss >= 0:
+            raise _bad("share_loss", f"{self.share_loss}; give a value >= 0")
+        if self.share_ground not in SHARE_GROUND:
+            raise _bad("share_ground", f"{self.share_ground!r}; choose one of {', '.join(SHARE_GROUND)}")
+        if not self.share_value_lr_scale > 0:
+            raise _bad("share_value_lr_scale", f"{self.share_value_lr_scale}; give a value > 0")
+        if not (len(self.share_range) == 2 and 0 < self.share_range[0] <= self.share_range[1] < 1):
+            raise _bad("share_range", f"{self.share_range}; give shares LOW <= HIGH in (0, 1)")
+        n_layers = MODEL_SIZES[self.size]["layers"]
+        if not self.share_layers or self.share_steps and any(not -n_layers <= i < n_layers for i in self.share_layers):
+            raise _bad("share_layers", f"{self.share_layers}; size {self.size} has {n_layers} decoder layers")
+        bad = [t for t in self.share_tasks if t not in GROUNDED_TASKS]
+        if bad:
+            raise _bad("share_tasks", f"{bad}; give tasks among {', '.join(GROUNDED_TASKS)} (video has no tint)")
+        if self.share_heads not in SHARE_HEADS:
+            raise _bad("share_heads", f"{self.share_heads!r}; choose one of {', '.join(SHARE_HEADS)}")
+        if self.share_steps and self.share_steps > (1 - LAST_PHASE) * self.steps:
+            raise _bad("share_steps", f"{self.share_steps}; give 0 to {int((1 - LAST_PHASE) * self.steps)} (its "
+                                      "batches are the last phase's, as the polish stage's are)")
+
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "recipe") -> Recipe:
@@ -131,7 +180,7 @@ class Recipe:
         unknown = sorted(set(d) - names)
         if unknown:
             raise _bad(unknown[0], f"unknown field in {source}; the fields are {', '.join(sorted(names))}")
-        missing = sorted(names - set(d))
+        missing = sorted(names - set(d) - set(_DEFAULTS))
         if missing:
             raise _bad(missing[0], f"missing from {source}")
         return cls(**{k: _normalise(k, v) for k, v in d.items()})
@@ -150,8 +199,11 @@ class Recipe:
             raise _bad("recipe", f"{p} is not JSON ({exc})") from None
         return cls.from_dict(data, source=str(p))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+    def to_dict(self, full: bool = False) -> dict[str, Any]:
+        """Every field (``full``), or every field but the share stage's where the recipe has none: a recipe
+        without it is written as it was before the stage existed (the default model's recipe.json)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if full or self.share_steps or f.name not in _DEFAULTS}
 
     def replace(self, **changes) -> Recipe:
         return Recipe.from_dict({**self.to_dict(), **changes})
@@ -162,8 +214,12 @@ def _normalise(name: str, value):
     polish mix in TASKS order."""
     if name in ("ground_tasks", "polish_ground_tasks", "polish_ground_spread"):
         return tuple(sorted(set(value)))
-    if name == "sink_ramp" and value is not None:
+    if name in ("sink_ramp", "share_range") and value is not None:
         return tuple(float(x) for x in value)
+    if name == "share_tasks":
+        return tuple(sorted(set(value)))
+    if name == "share_layers":
+        return tuple(sorted(set(int(x) for x in value)))
     if name == "polish_mix" and value is not None:
         return {t: float(value[t]) for t in TASKS if t in value} | {t: w for t, w in value.items() if t not in TASKS}
     return value
@@ -173,14 +229,19 @@ def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Recipe) if f.default is not dataclasses.MISSING}
+
 # The fields each stage's weights depend on: a checkpoint of one stage serves every recipe that agrees on them.
 VISION_FIELDS = ("size", "seed", "layout", "lr", "warmup", "weight_decay", "vision_steps")
-MAIN_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe) if not f.name.startswith("polish") and
+MAIN_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe) if not f.name.startswith(("polish", "share")) and
                     f.name != "threads")
+POLISH_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe) if not f.name.startswith("share") and
+                      f.name != "threads")  # every stage before the share stage
 ALL_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe) if f.name != "threads")
 
 
 def differences(stored: dict[str, Any], recipe: Recipe, fields: tuple[str, ...]) -> list[str]:
     """``fields`` on which a checkpoint's stored recipe and ``recipe`` differ, as 'name stored (this run: ...)'."""
-    now = recipe.to_dict()
+    now = recipe.to_dict(full=True)
+    stored = {**{k: _plain(v) for k, v in _DEFAULTS.items()}, **stored}  # a recipe stored without its share fields
     return [f"{k} {stored.get(k)!r} (this run: {now[k]!r})" for k in fields if stored.get(k) != now[k]]

@@ -194,10 +194,6 @@ ROW_SUMMARIES = tuple(f.name for f in OUTPUT_SCHEMA
                       if pa.types.is_float64(f.type) and f.name not in ("prefill_s", "decode_s"))
 TIMING_COLUMNS = ("prefill_s", "decode_s", "tokens_per_s")  # differ from run to run, as node_id; nothing else may
 
-# Display and "all" order of the method labels (the `method` column); others follow, fixed@TAU by tau.
-METHOD_ORDER = ("full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "rcr_layer", "quest", "arkvale",
-                "infinigen")
-
 
 @dataclass(frozen=True)
 class JobStamp:

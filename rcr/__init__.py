@@ -9,7 +9,9 @@ its comparison methods), inside Hugging Face transformers.
 from . import attention  # registers the "rcr" attention function with transformers
 from .config import ConfigError, RCRConfig
 from .generate import Decoder, GenerationResult, answer_attention_scores, decode, generate, prefill
-from .methods import METHODS, parse_method
+from .methods import METHODS, load_entry_points, parse_method
+
+load_entry_points()  # installed packages' methods (entry point group "rcr.methods"; docs/extending.md)
 
 __all__ = ["RCRConfig", "ConfigError", "generate", "prefill", "decode", "Decoder", "GenerationResult",
            "answer_attention_scores", "METHODS", "parse_method", "attention"]

@@ -39,6 +39,7 @@ class DecodeSession:
         window = self.windows[layer]  # a windowed layer keeps its whole prefix: no decision
         if self.exact_stats and window is None:
             self._record_exact(layer, query, res)
+        d = None
         if self.decides and window is None:
             d = self.method.decide(StepContext(layer=layer, step=self.step, query=query, resident=res,
                                                prefix=self.method_prefix, state=self.state,
@@ -49,7 +50,24 @@ class DecodeSession:
         valid = res.resident_valid if self.masked else None
         if window is not None:  # its slots are the whole sequence in order: the last `window` are visible
             valid = res.in_window(window)
-        return attend(query, res.resident_keys, res.resident_values, valid, scaling), None
+        out = attend(query, res.resident_keys, res.resident_values, valid, scaling)  # (B, 1, Hq, d)
+        if d is not None and d.attend_full is not None:  # these samples attend to the whole context (RefreshKV)
+            out = torch.where(d.attend_full.view(-1, 1, 1, 1), self._attend_whole(layer, query, res, scaling), out)
+        return out, None
+
+    def _attend_whole(self, layer: int, query: torch.Tensor, res: ResidentLayer, scaling) -> torch.Tensor:
+        """Attention over the whole context: every prefix entry in position order, then the window and the
+        generated tokens (the resident slots after the selected ones), the slots ``full`` attends to."""
+        p = self.prefix
+        k_p, v_p = p.prefix_kv(layer)  # (B, Hkv, Np, d)
+        S = res.n_selected
+        keys = torch.cat([k_p, res.resident_keys[:, :, S:]], dim=2)  # (B, Hkv, Np + n - S, d)
+        values = torch.cat([v_p, res.resident_values[:, :, S:]], dim=2)
+        valid = None
+        if self.masked:
+            B, H = res.selection.shape[:2]
+            valid = torch.cat([p.prefix_valid.unsqueeze(1).expand(B, H, -1), res.resident_valid[:, :, S:]], dim=2)
+        return attend(query, keys, values, valid, scaling)
 
     def _record_exact(self, layer: int, query: torch.Tensor, res: ResidentLayer) -> None:
         """Exact drift and the most-attended prefix position, w.r.t. the selection in force at step start."""

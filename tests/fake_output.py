@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from rcr.methods import parse_label
+
 DEFAULT_METHODS = ("full", "bacon", "prefill_oracle", "exact", "fixed", "rcr", "quest")
 WORDS = [
     "a", "red", "cube", "sits", "left", "of", "a", "small", "blue", "sphere", "on", "the", "grey", "floor", "while",
@@ -47,12 +49,8 @@ def make_output_frame(n_samples: int = 24, methods=DEFAULT_METHODS, models=("tin
             refs = [" ".join(_degrade(full_words, 0.5, rng)) for _ in range(2)] if references else []
             top = np.cumsum(rng.random((n_layers, T)) < 0.4, axis=1).astype(np.int32) % 50
             for method in methods:
-                tau_label = None
-                if "@" in method:
-                    base, tau_label = method.split("@")
-                    tau_label = float(tau_label)
-                else:
-                    base = method
+                cls, knobs = parse_label(method)
+                base, tau_label = cls.name, knobs.get("tau")
                 drift = (sample_drift * rng.gamma(4.0, 0.25, size=(n_layers, T))).astype(np.float32)
                 if base == "rcr":
                     tau = np.empty((n_layers, T), np.float32)

@@ -13,18 +13,15 @@ from __future__ import annotations
 import dataclasses
 
 from rcr import RCRConfig
-from rcr.methods import METHODS, Method, parse_method
-from rcr.methods.knobs import knob_fields, parse_knobs
+from rcr.methods import METHODS, Method, parse_label
+from rcr.methods.knobs import knob_fields
 
 
 def build(label: str, config: RCRConfig, **knobs) -> Method:
     """``label``'s method with ``config`` and each of ``knobs`` that it has (a label's own knobs win)."""
-    name, sep, args = label.partition("@")
-    if name not in METHODS:
-        return parse_method(label, config)  # its error
-    cls = METHODS[name]
+    cls, values = parse_label(label)
     own = {k: v for k, v in knobs.items() if k in knob_fields(cls)}
-    return cls(config=config, label=label, **{**own, **(parse_knobs(cls, args, label) if sep else {})})
+    return cls(config=config, label=label, **{**own, **values})
 
 
 @dataclasses.dataclass(frozen=True)

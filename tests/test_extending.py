@@ -3,6 +3,9 @@ definition plus one registration, go through the method contract suite and a one
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
 import subprocess
 import sys
 
@@ -13,19 +16,38 @@ import rcr
 from pipeline.run import driver
 from pipeline.run.cli import job_config
 from pipeline.tasks import TASKS
+from rcr.methods import knob
 from tests import inline_driver
-from tests.extending_toys import TOY_TASK, Recent
+from tests.extending_toys import TOY_TASK, Recent, install_plugin
 from tests.pipeline_helpers import REPO, synthetic_records, write_shard
+
+CONTRACTS = "tests/rcr/test_method_contracts.py"
+
+
+def _collect(*args: str) -> list[str]:
+    listing = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args], cwd=REPO,
+                             capture_output=True, text=True, timeout=600, check=True).stdout
+    return [line for line in listing.splitlines() if "::" in line]
+
+
+def test_one_methods_contracts_are_selected_exactly(capsys):
+    """docs/extending.md's selector picks one method's contracts and no other's: `-k rcr` matches every test of
+    tests/rcr/, `-m "method(name='rcr')"` rcr's alone (not rcr_layer's)."""
+    def collect(*args: str) -> list[str]:
+        assert pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", CONTRACTS, *args]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if "::" in line]
+
+    rcr_ids, every = collect("-m", "method(name='rcr')"), collect()
+    assert rcr_ids and all(re.search(r"\[rcr(-\w+)?\]$", i) for i in rcr_ids), rcr_ids
+    assert len(every) == len(rcr_ids) * len(rcr.METHODS)  # every method has as many
 
 
 def test_the_toy_method_goes_through_every_contract():
     """Loaded as a plugin before collection, the registered toy method is parametrized into every contract, and
     keeps them all."""
-    args = ["-p", "no:cacheprovider", "-p", "tests.extending_toys", "tests/rcr/test_method_contracts.py", "-k",
-            "toy_recent"]
-    listing = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args], cwd=REPO,
-                             capture_output=True, text=True, timeout=600, check=True).stdout
-    collected = [line for line in listing.splitlines() if "toy_recent" in line]
+    args = ["-p", "no:cacheprovider", "-p", "tests.extending_toys", CONTRACTS, "-m", "method(name='toy_recent')"]
+    collected = _collect(*args)
+    assert collected and all("toy_recent" in line for line in collected)
     for contract in ("test_a_decode_step_makes_no_host_sync", "test_a_compiled_decode_is_one_graph_and_equals_eager",
                      "test_every_input_of_the_compiled_step_is_a_static_address",
                      "test_a_budget_over_the_prefix_equals_full",
@@ -63,3 +85,60 @@ def test_a_bad_knob_of_the_toy_method_is_one_line(monkeypatch):
         rcr.parse_method("toy_recent@end=middle")
     with pytest.raises(rcr.ConfigError, match="already registered"):
         rcr.methods.register(type("Other", (Recent,), {"name": "bacon"}))
+
+
+def test_a_knob_named_like_another_methods_is_its_own(tmp_path, monkeypatch):
+    """A new method's knob `rank` (default 4) beside rcr's `rank` (8): the job starts, its record keeps both by
+    method, a changed default re-keys the jobs that run the method, and registering it re-keys no other job."""
+    monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path))
+
+    def ranked(default: int) -> type:
+        return dataclasses.make_dataclass("Ranked", [("rank", int, knob(default, "rank of the toy"))],
+                                          bases=(Recent,), namespace={"name": "toy_ranked"})
+
+    others = ["--methods", "full,bacon,rcr"]
+    before = job_config(others).config_hash
+    monkeypatch.setitem(rcr.METHODS, "toy_ranked", ranked(4))
+    assert job_config(others).config_hash == before
+    cfg = job_config(["--methods", "bacon,toy_ranked@end=first,rcr"])
+    key, knobs = cfg.config_hash, cfg.record()["method_knobs"]
+    assert knobs["toy_ranked"] == {"end": "last", "rank": 4} and knobs["rcr"]["rank"] == 8
+    assert rcr.parse_method("toy_ranked@rank=2").rank == 2 and rcr.parse_method("rcr").rank == 8
+    monkeypatch.setitem(rcr.METHODS, "toy_ranked", ranked(5))
+    assert cfg.config_hash != key
+
+
+def test_an_installed_packages_method_and_task_reach_every_process(tmp_path):
+    """A package that declares entry points in the groups rcr.methods and rcr.tasks: a new process that imports the
+    pipeline (as a job's driver and its Ray workers do) has its method and task registered, whichever it imports
+    first. The job itself: tests/integration/test_plugin_job.py."""
+    install_plugin(tmp_path / "site")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]))
+    probe = ("import pipeline.schema, rcr; from pipeline.tasks import TASKS; m = rcr.parse_method('toy_plugin@rank=2');"
+             "print(type(m).__module__, m.rank, TASKS['toy_plugin_task'].max_new_tokens)")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["rcr_toy_plugin.methods", "2", "8"]
+
+
+def test_an_entry_point_that_fails_names_itself(tmp_path, monkeypatch):
+    """An entry point that does not load, or names something that is not a method, is an error naming it and its
+    package; one that names a module registers what the module registers."""
+    group = "rcr.test_methods"
+    install_plugin(tmp_path, f"[{group}]\nbroken = rcr_toy_plugin.methods:Missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match=r"entry point broken = rcr_toy_plugin.methods:Missing \(group "
+                                          r"rcr.test_methods, package rcr-toy-plugin\) does not load: AttributeError"):
+        rcr.methods.load_entry_points(group)
+    info = tmp_path / "rcr_toy_plugin-0.1.dist-info" / "entry_points.txt"
+    info.write_text(f"[{group}]\nwrong = rcr_toy_plugin.tasks:TOY_PLUGIN_TASK\n")
+    with pytest.raises(rcr.ConfigError, match="wrong = rcr_toy_plugin.tasks:TOY_PLUGIN_TASK .* it must name a "
+                                              "Method subclass or a module"):
+        rcr.methods.load_entry_points(group)
+    (tmp_path / "rcr_toy_plugin" / "registers.py").write_text(
+        "from rcr.methods import register\nfrom rcr_toy_plugin.methods import Newest\nregister(Newest)\n")
+    info.write_text(f"[{group}]\nby_import = rcr_toy_plugin.registers\n")
+    monkeypatch.setitem(rcr.METHODS, "toy_plugin", None)  # removed again after the test
+    del rcr.METHODS["toy_plugin"]
+    assert rcr.methods.load_entry_points(group) == ["by_import"] and rcr.METHODS["toy_plugin"].__name__ == "Newest"

@@ -1,5 +1,5 @@
-"""The layout's rules, checked on the source (docs/pipeline.md, "Layout"): what may import what, no import cycle,
-and no file over 400 lines in the library, the pipeline and the jobs."""
+"""The layout's rules, checked on the source (docs/pipeline.md, "Layout"): what may import what (no import cycle, no
+pipeline import that climbs a layer), and no file over 400 lines in the library, the pipeline and the jobs."""
 
 from __future__ import annotations
 
@@ -79,6 +79,47 @@ def test_the_library_imports_neither_the_pipeline_nor_the_embedded_tooling():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             for n in names:
                 assert n.split(".")[0] not in banned[pkg], f"{path.relative_to(ROOT)} imports {n}"
+
+
+# The pipeline's layers, lowest first: a module imports its own part and the parts of lower layers, never a part of
+# its own layer or above (docs/pipeline.md, "Layout"). A part is a subpackage of pipeline/ or a module at its top.
+LAYERS = (
+    ("pipeline", "pipeline.tasks", "pipeline.paths"),  # the task registry; where files go
+    ("pipeline.schema", "pipeline.quiet"),  # the schemas (of the registered tasks); a job's own output lines
+    ("pipeline.data", "pipeline.analysis"),  # input shards; statistics and MLflow after a job
+    ("pipeline.run",),  # a job
+    ("pipeline.diagnose", "pipeline.lmms"),  # built on jobs and analyses
+)
+
+
+def part(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def layer_violations(g: dict[str, set[str]]) -> list[str]:
+    rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+    out = []
+    for m, deps in sorted(g.items()):
+        if not m.startswith("pipeline"):
+            continue
+        assert part(m) in rank, f"{m}: its part {part(m)} has no layer in LAYERS"
+        for d in sorted(deps):
+            if d.startswith("pipeline") and part(d) != part(m) and rank[part(d)] >= rank[part(m)]:
+                out.append(f"{m} -> {d}")
+    return out
+
+
+def test_no_pipeline_import_climbs_a_layer():
+    """pipeline/run/ imports nothing above it (the pre-flight lives in it), and the analysis nothing of a job
+    (the default store is pipeline.paths')."""
+    assert layer_violations(graph()) == []
+
+
+def test_the_layer_check_finds_an_import_that_climbs():
+    g = {"pipeline.analysis.backfill": {"pipeline.run.config", "pipeline.schema"}, "pipeline.run.config": set(),
+         "pipeline.schema": set(), "pipeline.run.driver": {"pipeline.run.config", "pipeline.analysis.report"},
+         "pipeline.analysis.report": set()}
+    assert layer_violations(g) == ["pipeline.analysis.backfill -> pipeline.run.config"]
 
 
 def test_no_file_is_over_400_lines():

@@ -24,7 +24,7 @@ import os
 import numpy as np
 import torch
 
-from embedded.probes.common import held_out_answers, sample_args
+from embedded.probes.common import held_out_answers, model_layout, sample_args
 from pipeline.data import synthetic as S
 from pipeline.diagnose.attention import profile
 from rcr.models import geometry, load
@@ -36,6 +36,7 @@ def main(argv=None) -> None:
     ap.add_argument("--selected", type=int, default=32, help="the selection budget S for the top-S share (32)")
     ap.add_argument("--per-head", action="store_true", help="also a row per KV head under each layer")
     args = ap.parse_args(argv)
+    args.layout = model_layout(args.model or "embedded", args.layout)
     torch.set_num_threads(args.threads)
     model, processor = load(args.model)
     model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path

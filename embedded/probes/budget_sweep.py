@@ -4,7 +4,7 @@
     python -m embedded.probes.budget_sweep --whole-layers 0    # ablation: layer 0 attends to its whole prefix
     python -m embedded.probes.budget_sweep --selected 32 --methods exact,quest,arkvale --page-sizes 1,4,8,16
     python -m embedded.probes.budget_sweep --selected 32 --methods exact,infinigen \
-        --set infinigen_partial_ratio=1.0
+        --set infinigen.partial_ratio=1.0
 
 For each ``selected`` budget (window fixed at 32), every method decodes the same held-out synthetic
 ``detailcaps`` scenes (seed ``pipeline.data.synthetic.HELDOUT_SEED``) from one prefill per batch, through the
@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from embedded.probes.common import evaluate_task
+from embedded.probes.common import evaluate_task, layout_flag, model_layout
 from pipeline.analysis.analyze import analyze
 from pipeline.data import synthetic as S
 from pipeline.run.config import EMBEDDED, JobConfig
@@ -97,22 +97,26 @@ def quest_first_page(counts: dict[int, list[float]]):
 
 
 def labels_for(methods: list[str], settings: dict) -> tuple[dict[str, str], dict]:
-    """Each method's label with the settings that are its own knobs (by field name or job key, e.g. ``rule`` or
-    ``arkvale_rule``), and the shared RCRConfig settings. A setting that is neither is an error."""
+    """Each method's label with the settings that are its own knobs (``rule``: every listed method with that knob;
+    ``arkvale.rule``: that method's alone), and the shared RCRConfig settings. A setting that is neither is an
+    error."""
     import dataclasses
 
     from rcr import RCRConfig
     from rcr.methods import METHODS
-    from rcr.methods.knobs import knob_fields
+    from rcr.methods.knobs import knob_fields, with_knobs
 
     shared = {f.name for f in dataclasses.fields(RCRConfig)}
     labels, config, used = {}, {}, set()
     for m in methods:
-        fields = {f.metadata.get("key") or f.name: f.name for f in knob_fields(METHODS[m]).values()}
-        fields.update({name: name for name in fields.values()})
-        own = {fields[k]: v for k, v in settings.items() if k in fields}
-        used.update(k for k in settings if k in fields)
-        labels[m] = m + ("@" + ",".join(f"{k}={v}" for k, v in own.items()) if own else "")
+        fields = knob_fields(METHODS[m])
+        own = {}
+        for k, v in settings.items():
+            name = k.removeprefix(f"{m}.")
+            if name in fields:
+                own[name] = v
+                used.add(k)
+        labels[m] = with_knobs(m, own)
     for k, v in settings.items():
         if k in shared:
             config[k] = v
@@ -124,7 +128,7 @@ def labels_for(methods: list[str], settings: dict) -> tuple[dict[str, str], dict
 def parse_setting(text: str) -> tuple[str, object]:
     field, sep, value = text.partition("=")
     if not sep or not field:
-        raise SystemExit(f"--set {text!r}: expected FIELD=VALUE, e.g. infinigen_partial_ratio=1.0")
+        raise SystemExit(f"--set {text!r}: expected FIELD=VALUE, e.g. infinigen.partial_ratio=1.0")
     try:
         return field, json.loads(value)
     except json.JSONDecodeError:
@@ -134,7 +138,7 @@ def parse_setting(text: str) -> tuple[str, object]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=EMBEDDED)
-    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS))
+    layout_flag(ap)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--selected", default="16,32,64", help="comma-separated budgets of selected prefix entries")
@@ -144,11 +148,13 @@ def main(argv=None) -> int:
     ap.add_argument("--whole-layers", default="", help="ablation: comma-separated layers that attend to the whole "
                     "prefix in every method (default: none)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="an RCRConfig field, or a method's knob (its field or job name, e.g. arkvale_rule=recall), "
-                         "for every run (repeatable; the value is read as JSON, else as text)")
+                    help="an RCRConfig field, or a method's knob (rule=recall: every listed method's; "
+                         "arkvale.rule=recall: arkvale's), for every run (repeatable; the value is read as JSON, "
+                         "else as text)")
     ap.add_argument("--page-sizes", default=None, help="comma-separated page sizes of quest and arkvale "
                     "(default: the config's); with quest, also how often it keeps the prompt's first page")
     args = ap.parse_args(argv)
+    args.layout = model_layout(args.model or "embedded", args.layout)
     whole = {int(x) for x in args.whole_layers.split(",") if x}
     overrides = dict(parse_setting(x) for x in args.set)
     methods = ["full"] + [m for m in args.methods.split(",") if m != "full"]

@@ -22,10 +22,25 @@ from pipeline.run.config import JobConfig
 from pipeline.tasks import TASKS
 
 
+def layout_flag(ap: argparse.ArgumentParser) -> None:
+    """``--layout``, whose default is the layout the model was trained on (``model_layout``)."""
+    ap.add_argument("--layout", default=None, choices=sorted(S.LAYOUTS),
+                    help="synthetic scene layout (default: the one the model was trained on, from its recipe)")
+
+
+def model_layout(model: str, layout: str | None) -> str:
+    """``layout`` where given, else the scene layout ``model`` was trained on (the recipe its directory carries),
+    else the default embedded model's."""
+    from rcr.embedded import scene_layout
+
+    return layout or scene_layout(model) or S.DEFAULT_LAYOUT
+
+
 def sample_args(ap: argparse.ArgumentParser, n: int) -> None:
     """The arguments of a probe over held-out samples: model, layout, task, n, answer length, threads."""
-    ap.add_argument("--model", default="embedded", help="a model directory, a Hub id, or 'embedded' (default)")
-    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS), help="synthetic scene layout")
+    ap.add_argument("--model", default="embedded", help="a model directory, a Hub id, or an embedded model's "
+                    "name ('embedded', the default, or 'embedded-drift')")
+    layout_flag(ap)
     ap.add_argument("--task", default="detailcaps", choices=S.TASKS)
     ap.add_argument("--n", type=int, default=n, help=f"held-out samples (default {n})")
     ap.add_argument("--max-new-tokens", type=int, default=512)

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 from scipy.stats import spearmanr
 
-from embedded.probes.common import evaluate_task
+from embedded.probes.common import evaluate_task, layout_flag, model_layout
 from pipeline.analysis.analyze import analyze
 from pipeline.data import synthetic as S
 from pipeline.run.config import EMBEDDED, JobConfig
@@ -92,13 +92,14 @@ def decode(model: str, kind: tuple[str, str, int | None], n: int, layout: str, t
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=EMBEDDED, help="'embedded' (the shipped model) or a model directory")
-    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS), help="scene layout")
+    layout_flag(ap)
     ap.add_argument("--objects", default="3,6,12,18",
                     help="comma-separated detailcaps object counts, one kind each ('' = the layout's own draw)")
     ap.add_argument("--tasks", default="textcaps", help="comma-separated other tasks, one kind each")
     ap.add_argument("--n", type=int, default=8, help="held-out samples per kind")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args(argv)
+    args.layout = model_layout(args.model or "embedded", args.layout)
     try:
         objects = [int(x) for x in args.objects.split(",") if x]
     except ValueError:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from embedded.probes.common import layout_flag, model_layout
 from embedded.probes.reading import ATTRIBUTES, scored_positions
 from pipeline.data import synthetic as S
 from pipeline.tasks import TASKS
@@ -77,12 +78,13 @@ def probe_args(doc: str, argv, n: int, train: int) -> argparse.Namespace:
     are fitted on by default; torch threads are set."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded", help="a model directory, or 'embedded' (default)")
-    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS), help="synthetic scene layout")
+    layout_flag(ap)
     ap.add_argument("--n", type=int, default=n, help=f"held-out detailcaps scenes (default {n})")
     ap.add_argument("--train", type=int, default=train,
                     help=f"of them, the scenes the probe is fitted on (default {train})")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = ap.parse_args(argv)
+    args.layout = model_layout(args.model or "embedded", args.layout)
     if not 0 < args.train < args.n:
         ap.error(f"--train must be between 1 and --n - 1 = {args.n - 1}, got {args.train}")
     torch.set_num_threads(args.threads)

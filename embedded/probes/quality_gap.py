@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from embedded.probes.common import evaluate_task
+from embedded.probes.common import evaluate_task, layout_flag, model_layout
 from embedded.probes.reading import ATTRIBUTES
 from pipeline.analysis.text_metrics import rouge_l_f1
 from pipeline.data import synthetic as S
@@ -47,11 +47,12 @@ def gap_scores(reference: str, output: str) -> dict[str, float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS))
+    layout_flag(ap)
     ap.add_argument("--n", type=int, default=8, help="held-out samples per task")
     ap.add_argument("--tasks", default="detailcaps,textcaps")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    args.layout = model_layout(args.model or "embedded", args.layout)
 
     print(f"model {args.model}, layout {args.layout}, {args.n} held-out samples per task; "
           f"load average {os.getloadavg()[0]:.2f}")

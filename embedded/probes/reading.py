@@ -21,6 +21,7 @@ import argparse
 import torch
 from PIL import Image
 
+from embedded.probes.common import layout_flag, model_layout
 from pipeline.data import synthetic as S
 from pipeline.tasks import TASKS
 from rcr.models import build_inputs, load, with_answer
@@ -79,11 +80,12 @@ def probe(model, processor, task: str, layout: str, n: int) -> dict[str, tuple[i
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")
-    ap.add_argument("--layout", default=S.DEFAULT_LAYOUT, choices=sorted(S.LAYOUTS))
+    layout_flag(ap)
     ap.add_argument("--tasks", default="detailcaps,textcaps")
     ap.add_argument("--n", type=int, default=8, help="held-out samples per task")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    args.layout = model_layout(args.model or "embedded", args.layout)
     torch.set_num_threads(args.threads)
     from rcr.embedded import model_dir
 

@@ -2,7 +2,9 @@
 the drift analyses, as one :class:`Analysis` of pandas tables.
 
 Pure pandas / numpy / scipy (plus ``rouge-score`` and, for CIDEr, ``pycocoevalcap``). No MLflow, no
-Ray, no torch: the driver calls this after a job, and a person can call it on ``pd.read_parquet(out)``.
+Ray: the driver calls this after a job, and a person can call it on ``pd.read_parquet(out)``. It reads the
+labels' methods from the registry (``rcr.methods``, imported on the first call: it brings torch) for their display
+order and knobs.
 
 Entry point (the driver and ``pipeline/analysis/tracking.py`` call it): :func:`analyze`
 ``(df, bootstrap_resamples=10000, seed=0, ...) -> Analysis``; ``pipeline/analysis/report.py`` prints it.
@@ -70,7 +72,9 @@ class Analysis:
       output_len_full, n_steps, read counters, tokens_per_s, sweep_tau.
     * ``methods``: one row per (model, method): n, n_errors, fidelity mean/ci_low/ci_high,
       diff_bacon*/diff_rcr* with CIs and n_pairs, refresh_fraction (+CI), reads per step, tokens/s,
-      rougeL_ref and cider (+CI), sweep_tau.
+      rougeL_ref and cider (+CI), sweep_tau; with a ``fixed@τ`` sweep, the fixed-τ frontier at the method's own
+      refresh fraction and reads per step and the method's difference from it (``frontier_at_refresh``,
+      ``diff_frontier_refresh``, ``frontier_at_reads``, ``diff_frontier_reads``, each with its CI).
     * ``terciles``: (model, tercile, method) -> n, drift range, refresh_fraction, fidelity (+CI).
     * ``correlations``: (model, method, against) -> Spearman rho, p-value, n; ``gap`` is
       fidelity(exact) - fidelity(method), against "mean_drift" or "output_length".
@@ -131,7 +135,7 @@ def _wide(pm: pd.DataFrame, samples: list[str], methods: list[str]) -> dict[str,
     """[samples x methods] tables of the per-sample metrics of one model."""
     return {metric: pm.pivot_table(index="sample_id", columns="method", values=metric, aggfunc="first",
                                    dropna=False).reindex(index=samples, columns=methods)
-            for metric in ("fidelity", *CI_METRICS)}
+            for metric in ("fidelity", *CI_METRICS, "reads_per_step")}
 
 
 def _method_rows(model: str, pm: pd.DataFrame, d: pd.DataFrame, methods: list[str], wide: dict,
@@ -246,8 +250,9 @@ def analyze(df: pd.DataFrame, bootstrap_resamples: int = 10_000, seed: int = 0, 
         samples = sorted(set(pm.sample_id))
         wide = _wide(pm, samples, methods)
         rows = _method_rows(model, pm, d, methods, wide, n_err, st)
-        method_rows += rows
         fixed_tau = next((r["sweep_tau"] for r in rows if r["method"] == FIXED), None)
+        matched = fixed_tuning.matched_frontier(wide, fixed_tau, st)
+        method_rows += [{**r, **matched.get(r["method"], {})} for r in rows]
         rows, comparison = fixed_tuning.compare(model, wide, fixed_tau, st)
         tune_rows += rows
         cmp_rows.append(comparison)

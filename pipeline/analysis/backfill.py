@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.analysis import mlflow_client, mlflow_store, report, tracking
     from pipeline.analysis.analyze import analyze
-    from pipeline.run.config import default_tracking_uri
+    from pipeline.paths import default_tracking_uri
 
     out = Path(args.output_dir).expanduser().resolve()
     if not out.is_dir():

@@ -13,8 +13,12 @@ Input: one model's [samples x methods] fidelity and refresh-fraction tables (``a
   frontier`` with a CI from the same resampled sample indices as every other CI of the model
   (``bootstrap.resample_means``): each resample recomputes every point and rcr's refresh, then interpolates.
 
+* **Matched** (:func:`matched_frontier`). Every other method (``refreshkv``, ``exact``, ...) against the same
+  frontier, read at its own mean refresh fraction and at its own mean reads per step, with the same paired CI:
+  columns of the ``methods`` table.
+
 The candidates are the ``fixed@τ`` labels and, when the sweep exists, plain ``fixed`` at its own τ
-(``RCRConfig.fixed_tau``) unless a sweep label has that τ. Without a sweep both comparisons are skipped,
+(``fixed.tau``) unless a sweep label has that τ. Without a sweep both comparisons are skipped,
 and the table says so.
 """
 
@@ -27,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.analysis.bootstrap import paired_bootstrap, percentile_ci, resample_means
-from pipeline.analysis.labels import FIXED, RCR, parse_sweep_tau
+from pipeline.analysis.labels import FIXED, FULL, RCR, parse_sweep_tau
 
 SPLIT_SALT = "rcr-fixed-tuning"
 SPLIT_RULE = (f"development half: first byte of sha256('{SPLIT_SALT}:' + sample_id) < 128 (utf-8); "
@@ -114,38 +118,81 @@ def _tuned(test: pd.DataFrame, best: str | None, taus: dict[str, float], st) -> 
 
 
 def _gap(f: np.ndarray, r: np.ndarray) -> tuple[float, float]:
-    """(frontier fidelity at rcr's refresh, rcr − frontier) from column means: index 0 is rcr, 1.. the points."""
+    """(frontier fidelity at the method's x, method − frontier) from column means: index 0 is the method, 1.. the
+    points; ``r`` their x (refresh fraction or reads per step)."""
     y = interpolate(r[0], r[1:], f[1:])
     return y, f[0] - y
 
 
-def _frontier_gap(fid: pd.DataFrame, ref: pd.DataFrame, cands: list[tuple[str, float]], st) -> dict[str, Any]:
-    """rcr against the candidates' frontier at rcr's refresh, on every sample, with a paired bootstrap CI."""
-    cols = [RCR] + [m for m, _ in cands]
+def frontier_gap(fid: pd.DataFrame, x: pd.DataFrame, method: str, cands: list[tuple[str, float]], st) -> dict:
+    """``method`` against the candidates' frontier, their (mean ``x``, mean fidelity) points joined in ``x`` order
+    and read at the method's own mean ``x`` (refresh fraction or reads per step), on every sample, with a paired
+    bootstrap CI. Keys: ``x``, ``fidelity``, ``frontier`` and ``diff`` (method − frontier) with ``_ci_low`` /
+    ``_ci_high``, ``between`` (the two points around it), ``resamples`` and ``note``."""
+    cols = [method] + [m for m, _ in cands]
     k = len(cols)
-    x = np.concatenate([fid[cols].to_numpy(float), ref[cols].to_numpy(float)], 1)  # (n, 2k): fidelity | refresh
-    means = pd.DataFrame(x).mean().to_numpy(float)  # NaN-skipping column means; NaN for an empty column
+    data = np.concatenate([fid[cols].to_numpy(float), x[cols].to_numpy(float)], 1)  # (n, 2k): fidelity | x
+    means = pd.DataFrame(data).mean().to_numpy(float)  # NaN-skipping column means; NaN for an empty column
     y, diff = _gap(means[:k], means[k:])
-    out: dict[str, Any] = {"rcr_refresh": means[k], "rcr_fidelity": means[0], "frontier_fidelity": y,
-                           "diff_frontier": diff}
+    out: dict[str, Any] = {"x": means[k], "fidelity": means[0], "frontier": y, "diff": diff, "note": ""}
     lo_pts = [(r, m) for r, m in zip(means[k + 1:], cols[1:]) if np.isfinite(r) and r <= means[k]]
     hi_pts = [(r, m) for r, m in zip(means[k + 1:], cols[1:]) if np.isfinite(r) and r >= means[k]]
-    out["frontier_between"] = ",".join(m for m in (max(lo_pts)[1] if lo_pts else None,
-                                                   min(hi_pts)[1] if hi_pts else None) if m)
+    out["between"] = ",".join(m for m in (max(lo_pts)[1] if lo_pts else None,
+                                          min(hi_pts)[1] if hi_pts else None) if m)
     if not np.isfinite(y):
         pts = means[k + 1:][np.isfinite(means[k + 1:])]
         span = f"[{pts.min():.3f}, {pts.max():.3f}]" if pts.size else "(none)"
-        out["frontier_note"] = (f"rcr's refresh fraction {means[k]:.3f} lies outside the fixed points' range {span}: "
-                                "not interpolated (no extrapolation)")
+        out["note"] = (f"{method}'s {means[k]:.3f} lies outside the fixed points' range {span}: not interpolated "
+                       "(no extrapolation)")
         return out
-    stats = resample_means(x, None, st.resamples, st.seed)  # the model's shared resample indices
+    stats = resample_means(data, None, st.resamples, st.seed)  # the model's shared resample indices
     boot = np.array([_gap(s[:k], s[k:]) for s in stats])  # (resamples, 2)
     ok = np.isfinite(boot[:, 1])
     lo, hi = percentile_ci(boot[ok], st.confidence) if ok.any() else (np.full(2, np.nan), np.full(2, np.nan))
-    out.update(frontier_fidelity_ci_low=lo[0], frontier_fidelity_ci_high=hi[0], diff_frontier_ci_low=lo[1],
-               diff_frontier_ci_high=hi[1], frontier_resamples=int(ok.sum()),
-               frontier_note="" if ok.all() else (f"{int((~ok).sum())} of {len(ok)} resamples put rcr's refresh "
-                                                  "outside the points' range; the CI is over the others"))
+    out.update(frontier_ci_low=lo[0], frontier_ci_high=hi[0], diff_ci_low=lo[1], diff_ci_high=hi[1],
+               resamples=int(ok.sum()),
+               note="" if ok.all() else (f"{int((~ok).sum())} of {len(ok)} resamples put {method}'s value outside "
+                                         "the points' range; the CI is over the others"))
+    return out
+
+
+def _frontier_gap(fid: pd.DataFrame, ref: pd.DataFrame, cands: list[tuple[str, float]], st) -> dict[str, Any]:
+    """rcr against the candidates' frontier at rcr's refresh, on every sample, with a paired bootstrap CI."""
+    g = frontier_gap(fid, ref, RCR, cands, st)
+    out = {"rcr_refresh": g["x"], "rcr_fidelity": g["fidelity"], "frontier_fidelity": g["frontier"],
+           "diff_frontier": g["diff"], "frontier_between": g["between"], "frontier_note": g["note"]}
+    if "resamples" in g:
+        out.update(frontier_fidelity_ci_low=g["frontier_ci_low"], frontier_fidelity_ci_high=g["frontier_ci_high"],
+                   diff_frontier_ci_low=g["diff_ci_low"], diff_frontier_ci_high=g["diff_ci_high"],
+                   frontier_resamples=g["resamples"])
+    return out
+
+
+# the axes a method is matched to the frontier on: (the [samples x methods] table, the methods-row name)
+MATCHED_AXES = (("refresh_fraction", "refresh"), ("reads_per_step", "reads"))
+
+
+def matched_frontier(wide: dict[str, pd.DataFrame], fixed_tau: float | None, st) -> dict[str, dict[str, Any]]:
+    """Every method but ``full`` and the fixed-threshold candidates against the fixed-τ frontier, at its own mean
+    refresh fraction and at its own mean reads per step: per method, ``frontier_at_<axis>`` and
+    ``diff_frontier_<axis>`` (method − frontier) with ``_ci_low`` / ``_ci_high``, NaN where the method lies outside
+    the points' range (for the ``methods`` table, so every method's MLflow run has them). Empty without a sweep."""
+    fid = wide["fidelity"]
+    cands = candidates(list(fid.columns), fixed_tau)
+    if not cands:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for m in fid.columns:
+        if m == FULL or m in dict(cands):
+            continue
+        row: dict[str, Any] = {}
+        for table, axis in MATCHED_AXES:
+            g = frontier_gap(fid, wide[table], m, cands, st)
+            for key, name in (("frontier", f"frontier_at_{axis}"), ("diff", f"diff_frontier_{axis}")):
+                row[name] = g[key]
+                row[f"{name}_ci_low"] = g.get(f"{key}_ci_low", np.nan)
+                row[f"{name}_ci_high"] = g.get(f"{key}_ci_high", np.nan)
+        out[m] = row
     return out
 
 

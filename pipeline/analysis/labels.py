@@ -1,19 +1,19 @@
-"""Method labels with a role in the analyses, their display order, and the fixed-tau sweep labels."""
+"""Method labels with a role in the analyses, their display order (the registry's, ``rcr.METHODS``), and the
+fixed-tau sweep labels. Labels are read by their one reader, ``rcr.methods.parse_label`` (``rcr/methods/knobs.py``):
+a label of a method this process has not registered has no knobs to read, and sorts last.
+
+The registry is imported when a function here first needs it, not with this module: it brings the library (torch)
+with it, which importing the analysis' modules does not."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
-
-from pipeline.schema import METHOD_ORDER
 
 FULL, BACON, RCR, EXACT, FIXED = "full", "bacon", "rcr", "exact", "fixed"
 PREFILL_ORACLE = "prefill_oracle"
 BASELINES = (BACON, RCR)  # every method gets a paired difference from each of these (when present)
 TERCILE_METHODS = (RCR, FIXED, EXACT)
 DEFAULT_TAU_SWEEP = (0.02, 0.03, 0.05, 0.10, 0.15)
-# a sweep point: fixed with only its threshold set, as its shorthand or by name (fixed@0.05, fixed@tau=0.05)
-_SWEEP_RE = re.compile(r"^(?P<base>[A-Za-z_]+)@(?:tau=)?(?P<tau>[0-9.eE+-]+)$")
 
 
 def sweep_methods(taus: Iterable[float] = DEFAULT_TAU_SWEEP, base: str = FIXED) -> list[str]:
@@ -26,19 +26,42 @@ def sweep_methods(taus: Iterable[float] = DEFAULT_TAU_SWEEP, base: str = FIXED) 
 
 
 def parse_sweep_tau(method: str) -> float | None:
-    """``"fixed@0.05"`` or ``"fixed@tau=0.05"`` -> 0.05; ``None`` for labels that are not sweep points."""
-    m = _SWEEP_RE.match(str(method))
-    if not m:
+    """``"fixed@0.05"`` or ``"fixed@tau=0.05"`` (fixed with only its threshold set) -> 0.05; ``None`` for labels
+    that are not sweep points."""
+    parsed = _parsed(method)
+    if parsed is None or parsed[0].name != FIXED or set(parsed[1]) != {"tau"}:
         return None
+    return float(parsed[1]["tau"])
+
+
+def _parsed(label: str) -> tuple[type, dict] | None:
+    """``rcr.methods.parse_label(label)``: its method class and typed knobs; None for a label this process cannot
+    read (an unregistered method)."""
+    from rcr.config import ConfigError
+    from rcr.methods import parse_label
+
     try:
-        return float(m.group("tau"))
-    except ValueError:
+        return parse_label(str(label))
+    except ConfigError:
         return None
 
 
-def _method_sort_key(m: str) -> tuple:
-    if m in METHOD_ORDER:
-        return (0, METHOD_ORDER.index(m), 0.0, m)
+def method_class(label: str) -> type | None:
+    """The method class of ``label``; None for a label this process cannot read."""
+    parsed = _parsed(label)
+    return parsed[0] if parsed else None
+
+
+def method_order() -> list[str]:
+    """The registered methods' names in display order: the registry's (``rcr.METHODS``)."""
+    from rcr.methods import METHODS
+
+    return list(METHODS)
+
+
+def _method_sort_key(m: str, order: list[str]) -> tuple:
+    if m in order:
+        return (0, order.index(m), 0.0, m)
     tau = parse_sweep_tau(m)
     if tau is not None:
         return (1, 0, tau, m)
@@ -46,26 +69,15 @@ def _method_sort_key(m: str) -> tuple:
 
 
 def order_methods(methods: Iterable[str]) -> list[str]:
-    return sorted(set(methods), key=_method_sort_key)
-
-
-def label_knobs(label: str) -> dict[str, str]:
-    """The knobs a label sets, as text: ``"rcr@rho=0.3,step=0.1"`` -> ``{"rho": "0.3", "step": "0.1"}`` (a bare
-    shorthand value, ``fixed@0.05``, is left out: its knob is the method's)."""
-    _, sep, args = str(label).partition("@")
-    return dict(part.split("=", 1) for part in args.split(",") if "=" in part) if sep else {}
+    """The registry's order (``rcr.METHODS``), then the fixed-tau sweep by tau, then the other labels by name."""
+    order = method_order()
+    return sorted(set(methods), key=lambda m: _method_sort_key(m, order))
 
 
 def target_rho(methods: Iterable[str]) -> float | None:
     """The target refresh fraction of the job's ``rcr`` (its label's ``rho``, else the knob's default), for the
     plots' reference line; None when the job runs no ``rcr``."""
-    rcr = [m for m in methods if str(m).partition("@")[0] == RCR]
-    if not rcr:
-        return None
-    text = label_knobs(rcr[0]).get("rho")
-    if text is not None:
-        return float(text)
-    from rcr.methods import RCR as RCRMethod  # the knob's default, where it is defined
-    from rcr.methods.knobs import knob_fields
+    from rcr.methods import parse_method
 
-    return float(knob_fields(RCRMethod)["rho"].default)
+    rcr = [m for m in methods if getattr(method_class(m), "name", None) == RCR]
+    return float(parse_method(rcr[0]).rho) if rcr else None

@@ -4,9 +4,13 @@
 MLflow 3's UI shows an experiment one of two ways: "GenAI" (traces, an overview of LLM calls) or
 "Model training" (the runs table). An experiment's kind is the tag ``mlflow.experimentKind``; this project's runs
 are model evaluations, kind ``custom_model_development``, set on the experiment when :func:`mark_experiment_kind`
-creates or finds it. MLflow 3.17's UI takes the view from its "GenAI | Model training" switch instead (remembered
-per browser, GenAI by default) or from the URL's ``workflowType`` parameter, so every URL here carries
-``workflowType=machine_learning``: it opens on the runs whichever way the browser was left.
+creates or finds it. MLflow 3.17's UI does not read that tag: its feature flag for the workflow switch is on in the
+open-source build, and the view comes from the URL's ``workflowType`` parameter, else from the "GenAI | Model
+training" switch at the top left (kept in the browser's local storage, ``mlflow.workflowType``; GenAI until it is
+changed). So every URL here carries ``workflowType=machine_learning`` and opens on the runs however the browser was
+left; the links of the UI's own Experiments list carry none, and open on the GenAI overview ("No data") until the
+switch is set to Model training once, which the job's last lines and the README say (:data:`LIST_HINT`). Nothing a
+server sends can set the switch short of serving a changed UI.
 
 URLs, for a tracking server (``http://...``, its own UI) or a store served with ``mlflow ui`` on 127.0.0.1:5000:
 
@@ -32,6 +36,7 @@ EXPERIMENT_KIND = "custom_model_development"  # MLflow's kind for model developm
 WORKFLOW = "workflowType=machine_learning"  # the UI's "Model training" view
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui --host 127.0.0.1` serves a store (its default port)
 VIEW_TAG_PREFIX = "mlflow.sharedViewState."  # the UI's experiment tag for a shared view
+LIST_HINT = "from its Experiments list: set the 'GenAI | Model training' switch (top left) to Model training, once"
 
 # what a job's runs page shows: the method runs' figures as columns, and a chart of each first in the chart view
 JOB_COLUMNS = ("fidelity", "fidelity_ci_low", "fidelity_ci_high", "refresh_fraction", "reads_per_step")
@@ -111,4 +116,5 @@ def ui_lines(tracking_uri: str, experiment_id: str, run_id: str, job_key: str) -
     """What the end of a job prints about its runs in the UI."""
     lines = [] if is_server(tracking_uri) else [f"to browse the store, run: {serve_hint(tracking_uri)}"]
     return lines + [f"UI, this job's runs by fidelity: {job_runs_url(tracking_uri, experiment_id, job_key)}",
-                    f"UI, the job's summary (fidelity [CI] per method): {run_url(tracking_uri, experiment_id, run_id)}"]
+                    f"UI, the job's summary (fidelity [CI] per method): {run_url(tracking_uri, experiment_id, run_id)}",
+                    f"UI, {LIST_HINT}"]

@@ -10,7 +10,7 @@ import pandas as pd
 
 from pipeline.analysis.labels import EXACT, FIXED, FULL, RCR, parse_sweep_tau
 from pipeline.analysis.telemetry import model_series, numeric
-from pipeline.analysis.text_metrics import cider_scores, rouge_pairs
+from pipeline.analysis.text_metrics import cider_scores, reference_length_gaps, rouge_pairs
 from pipeline.schema import ROW_SUMMARIES, Col
 
 # which row's mean drift is "the sample's mean drift" for the tercile / correlation analyses, in order
@@ -73,7 +73,9 @@ def reference_metrics_into(d: pd.DataFrame, ps: pd.DataFrame, n_jobs: int | None
     ps.loc[has, "rougeL_ref"] = ref_rouge_column(d[has], n_jobs)
     try:
         for _, g in d[has].groupby([Col.MODEL, Col.METHOD], sort=False):
-            ps.loc[g.index, "cider"] = cider_scores(list(g[Col.OUTPUT_TEXT]), [list(r) for r in g[Col.REFERENCES]])
+            texts, refs = list(g[Col.OUTPUT_TEXT]), [list(r) for r in g[Col.REFERENCES]]
+            ps.loc[g.index, "ref_length_gap"] = reference_length_gaps(texts, refs)
+            ps.loc[g.index, "cider"] = cider_scores(texts, refs)
         return True
     except ImportError as e:  # pycocoevalcap is in the `pipeline` extra
         warnings.warn(f"CIDEr skipped: {e}", stacklevel=2)
@@ -102,6 +104,7 @@ def per_sample(d: pd.DataFrame, reference_metrics: bool, n_jobs: int | None) -> 
     ps["fidelity"] = fidelity_column(d, n_jobs)
     ps["rougeL_ref"] = np.nan
     ps["cider"] = np.nan
+    ps["ref_length_gap"] = np.nan  # words between the output and its nearest reference (CIDEr-D's length penalty)
     cider_ok = reference_metrics_into(d, ps, n_jobs) if reference_metrics and Col.REFERENCES in d else None
     for col in (*ROW_SUMMARIES, Col.N_STEPS, Col.PREFILL_S, Col.DECODE_S):
         ps[col] = numeric(d, col)

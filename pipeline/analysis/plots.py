@@ -4,12 +4,15 @@
 
 * ``fidelity_ci.png``: fidelity mean with its 95% CI per method (one panel per model);
 * ``tau_refresh.png``: tau and the refresh fraction over decode steps for a few ``rcr`` samples;
-* ``drift_heatmap.png``: mean drift per layer x step (``rcr`` rows, else any drift-detector method);
+* ``drift_heatmap.png``: mean drift per layer x step (``rcr`` rows, else any drift-detector method); a layer never
+  re-selected (a sliding-window layer, the embedded model's layer 0) has no drift, and its blank row says so;
 * ``frontier.png``: fidelity against realised refresh fraction (left) and against prefix reads per decode
   step (right) across methods, the fixed-τ sweep as one line and ``rcr`` with the sweep's frontier at its
   refresh fraction; ``full`` reads the whole prefix at every step, so it is drawn as the reference line, not
   as a point at refresh fraction 0 (``frontier_plot.py``);
 * ``fidelity_vs_length.png``: per-sample fidelity against the uncompressed output length, per method.
+
+Every method has its colour in every plot: ``colours.label_colours`` (the same one its MLflow run has).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import pandas as pd
 
 from pipeline.analysis import frontier_plot
 from pipeline.analysis.analyze import Analysis
+from pipeline.analysis.colours import label_colours
 from pipeline.analysis.labels import FIXED, RCR, order_methods
 from pipeline.analysis.telemetry import as_2d, model_series, ok_rows
 from pipeline.schema import Col
@@ -31,7 +35,7 @@ matplotlib.use("Agg", force=True)  # before pyplot: the driver has no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 __all__ = ["make_plots", "plot_fidelity", "plot_tau_refresh", "plot_drift_heatmap", "plot_frontier",
-           "plot_fidelity_vs_length"]
+           "plot_fidelity_vs_length", "length_bins"]
 
 
 def _models(analysis: Analysis) -> list[str]:
@@ -55,8 +59,8 @@ def plot_fidelity(analysis: Analysis, path: Path) -> Path:
         x = np.arange(len(g))
         lo = (g.fidelity - g.fidelity_ci_low).clip(lower=0).to_numpy()
         hi = (g.fidelity_ci_high - g.fidelity).clip(lower=0).to_numpy()
-        colors = ["tab:red" if m == RCR else ("tab:gray" if m == "full" else "tab:blue") for m in g.index]
-        ax.bar(x, g.fidelity, color=colors, alpha=0.75)
+        colours = label_colours(g.index)
+        ax.bar(x, g.fidelity, color=[colours[m] for m in g.index])
         ax.errorbar(x, g.fidelity, yerr=[lo, hi], fmt="none", ecolor="black", capsize=4, lw=1.2)
         for xi, v, top in zip(x, g.fidelity, g.fidelity_ci_high.fillna(g.fidelity)):
             ax.text(xi, min(max(v, top) + 0.015, 1.05), f"{v:.3f}", ha="center", va="bottom", fontsize=8)
@@ -146,6 +150,9 @@ def plot_drift_heatmap(df: pd.DataFrame, path: Path, methods=(RCR, FIXED), max_s
     fig, ax = plt.subplots(figsize=(10, max(2.5, 0.25 * L + 1.5)))
     im = ax.imshow(mean, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest")
     fig.colorbar(im, ax=ax, label="mean drift (attention mass on evicted prefix)")
+    for layer in np.flatnonzero(np.isnan(mean).all(1)):  # a row left blank: say why
+        ax.text(T / 2, layer, f"layer {layer}: never re-selected (it keeps its whole prefix), so no drift",
+                ha="center", va="center", fontsize=8, color="0.3")
     ax.set_xlabel("decode step")
     ax.set_ylabel("layer")
     ax.set_title(f"{method}: drift per layer x step, mean over {len(mats)} samples")
@@ -169,16 +176,14 @@ def plot_fidelity_vs_length(analysis: Analysis, path: Path, n_bins: int = 5) -> 
         return None
     models = _models(analysis)
     fig, axes = plt.subplots(len(models), 1, figsize=(9, 5 * len(models)), squeeze=False)
-    cmap = plt.get_cmap("tab10")
+    colours = label_colours(ps.method.unique())
     for ax, model in zip(axes[:, 0], models):
         g = ps[ps.model == model]
-        for i, method in enumerate(order_methods(g.method.unique())):
+        for method in order_methods(g.method.unique()):
             d = g[g.method == method]
-            colour = "tab:red" if method == RCR else cmap(i % 10)
-            ax.scatter(d.output_len_full, d.fidelity, s=10, alpha=0.35, color=colour)
-            bins = pd.qcut(d.output_len_full.rank(method="first"), min(n_bins, len(d)), labels=False)
-            b = d.groupby(bins).agg(x=("output_len_full", "mean"), y=("fidelity", "mean"))
-            ax.plot(b.x, b.y, "o-", color=colour, lw=2.2 if method == RCR else 1.2, ms=4, label=method)
+            ax.scatter(d.output_len_full, d.fidelity, s=10, alpha=0.35, color=colours[method])
+            b = length_bins(d.output_len_full, d.fidelity, n_bins)
+            ax.plot(b.x, b.y, "o-", color=colours[method], lw=2.2 if method == RCR else 1.2, ms=4, label=method)
         ax.set_xlabel("uncompressed (full) output length, tokens")
         ax.set_ylabel("fidelity (ROUGE-L F1 vs full)")
         ax.set_ylim(-0.02, 1.05)
@@ -187,6 +192,16 @@ def plot_fidelity_vs_length(analysis: Analysis, path: Path, n_bins: int = 5) -> 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, ncol=2, loc="lower left")
     return _save(fig, path)
+
+
+def length_bins(length: pd.Series, value: pd.Series, n_bins: int) -> pd.DataFrame:
+    """Mean ``value`` (column ``y``) and mean ``length`` (``x``) per length quantile bin, in length order. Bins are
+    cut on the lengths themselves, so samples of one length share a bin and no two bins have the same x (a line
+    through them has no vertical segment); with at most ``n_bins`` lengths, one bin per length."""
+    length = pd.to_numeric(length, errors="coerce")
+    bins = length if length.nunique() <= n_bins else pd.qcut(length, n_bins, duplicates="drop")
+    b = pd.DataFrame({"x": length, "y": value}).groupby(bins, observed=True).mean()
+    return b.sort_values("x").reset_index(drop=True)
 
 
 def make_plots(df: pd.DataFrame, analysis: Analysis, out_dir: str | os.PathLike, rho: float | None = None,

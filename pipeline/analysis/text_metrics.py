@@ -122,6 +122,19 @@ def cider_scores(candidates: Sequence[str], references: Sequence[Sequence[str]])
     return out
 
 
+def reference_length_gaps(candidates: Sequence[str], references: Sequence[Sequence[str]]) -> np.ndarray:
+    """Per sample, the smallest difference in words (:func:`cider_scores`' tokens) between ``candidates[i]`` and one
+    of ``references[i]``: CIDEr-D's length penalty exp(-d^2 / (2 * 6^2)) is ~0 beyond a few dozen (NaN without
+    references)."""
+    out = np.full(len(candidates), np.nan)
+    for i, (c, refs) in enumerate(zip(candidates, references)):
+        n = len(_TOKENIZER.tokenize(c or ""))
+        gaps = [abs(n - len(_TOKENIZER.tokenize(r))) for r in (list(refs) if refs is not None else []) if r is not None]
+        if gaps:
+            out[i] = min(gaps)
+    return out
+
+
 PARALLEL_MIN_CELLS = 50_000_000  # ~20 s of serial scoring: below that, worker start-up is not worth it
 
 

@@ -18,7 +18,8 @@ What it writes, per job:
   ``tables/{methods,terciles,correlations,stability,frontier,fixed_comparison,fixed_tuning,errors}.csv``,
   ``summary.txt``;
 * one **child run per method** (per (model, method) when a job has several models), tagged
-  ``mlflow.parentRunId``: every numeric column of its ``Analysis.methods`` row (``fidelity`` and
+  ``mlflow.parentRunId`` and ``mlflow.runColor`` (the method's colour in the plots, ``colours.py``: the UI's
+  charts and runs table draw each method in it): every numeric column of its ``Analysis.methods`` row (``fidelity`` and
   ``diff_bacon`` / ``diff_rcr`` with ``_ci_low`` / ``_ci_high``, ``refresh_fraction`` (+CI), reference
   metrics (+CI), and the per-method means of the output rows' summaries, which derive from the output
   schema: ``keys_read_per_step``, ``reads_per_step``, ``bytes_moved_per_step``, ``tokens_per_s``, ...),
@@ -54,6 +55,7 @@ import pandas as pd
 
 from pipeline.analysis import fixed_tuning, mlflow_client, mlflow_store, mlflow_ui, report
 from pipeline.analysis.analyze import Analysis, analyze
+from pipeline.analysis.colours import label_colours
 from pipeline.analysis.labels import order_methods, target_rho
 from pipeline.analysis.mlflow_client import (
     DEFAULT_TRACKING_URI,
@@ -73,7 +75,8 @@ __all__ = ["log_job", "check_tracking_server", "job_key", "data_fingerprint", "r
            "DEFAULT_TRACKING_URI", "DEFAULT_EXPERIMENT", "TRACKING_VERSION"]
 
 DEFAULT_EXPERIMENT = "rcr-eval"
-TRACKING_VERSION = "3"  # bump when what is logged changes: existing runs are then replaced, not skipped
+TRACKING_VERSION = "4"  # bump when what is logged changes: existing runs are then replaced, not skipped
+RUN_COLOUR_TAG = "mlflow.runColor"  # the UI draws a run in the colour this tag holds (else one hashed from its id)
 
 # ---------------------------------------------------------------------------------------------- keys
 
@@ -275,9 +278,10 @@ def _log_new(client, exp_id: str, df: pd.DataFrame, config: dict, a: Analysis, s
     mlflow_client.log_params(client, pid, tuned_params)
     mlflow_client.log_metrics(client, pid, tuned_metrics)
     _log_artifacts(client, tracking_uri, parent, df, a, summary, config, adir, rho)
+    colours = label_colours(a.methods.method)  # each method run's colour in the UI: the plots' (colours.py)
     for _, row in a.methods.iterrows():
         _log_child(client, exp_id, pid, df, a, row, key=key, job_name=job_name, commit=commit, multi=len(models) > 1,
-                   started=started)
+                   started=started, colour=colours[str(row.method)])
     client.set_tag(pid, TAG_COMPLETE, "1")
     client.set_terminated(pid, "FINISHED")
     return pid
@@ -332,11 +336,11 @@ def _log_artifacts(client, tracking_uri: str, run, df: pd.DataFrame, a: Analysis
 
 
 def _log_child(client, exp_id: str, pid: str, df: pd.DataFrame, a: Analysis, row: pd.Series, *, key: str,
-               job_name: str, commit: str, multi: bool, started: list[str]) -> None:
+               job_name: str, commit: str, multi: bool, started: list[str], colour: str) -> None:
     """One method's run: every column of its ``Analysis.methods`` row as a metric (they derive from the
     output schema, see ``METHOD_MEANS``), its tercile and correlation figures, and its per-step series."""
     method, model = str(row.method), str(row.model)
-    ctags = {"mlflow.parentRunId": pid, TAG_KEY: key, TAG_ROLE: "method", "rcr.method": method,
+    ctags = {"mlflow.parentRunId": pid, TAG_KEY: key, TAG_ROLE: "method", "rcr.method": method, RUN_COLOUR_TAG: colour,
              "rcr.model": model, "rcr.job_name": job_name, "mlflow.source.git.commit": commit}
     cid = client.create_run(exp_id, run_name=f"{method} [{model}]" if multi else method, tags=ctags).info.run_id
     started.append(cid)

@@ -56,6 +56,11 @@ class SceneLayout:
     # description step that names "row two , column three" then has no content to match, and the v4-trained
     # models spread their image attention over every cell alike
     lit: bool = False
+    # a canvas tinted per scene (``scene_tint``, a draw of its own): the empty canvas shifts by ``tint *
+    # TINT_SHIFT``, along the one colour axis that neither the light (brightness, warmth) nor anything else of the
+    # scene moves, so that the image shows a per-sample property the objects and their cells do not depend on.
+    # The drift test bed's share stage sets each sample's image share of attention from it (docs/embedded.md)
+    tinted: bool = False
 
     @property
     def height(self) -> int:
@@ -81,6 +86,9 @@ LAYOUTS = {
     # v4's scenes on a canvas lit by position (the same objects and texture draws for the same index)
     "v5": SceneLayout("v5", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True,
                       textured=True, lit=True),
+    # v5's scenes (the same objects, texture and light for the same index) with a canvas tint drawn per scene
+    "v6": SceneLayout("v6", rows=5, cols=4, cell=112, min_objects=12, max_objects=18, jitter=12, every_cell=True,
+                      textured=True, lit=True, tinted=True),
 }
 DEFAULT_LAYOUT = "v5"  # what the shipped model was trained on; flips with the model it belongs to
 
@@ -176,7 +184,15 @@ def blank(height: int, width: int | None = None) -> np.ndarray:
     return img
 
 
-def render_grid(rng: np.random.Generator, cells: dict[int, SceneObject], lay: SceneLayout) -> np.ndarray:
+# green up, red and blue down: orthogonal to the light's brightness (1, 1, 1) and warmth (1, 0, -1) axes, so a tint
+# never reads as a position; at tint 1 the canvas's green - (red + blue) / 2 moves by 60, against a spread of about
+# 14 from the halved texture
+TINT_SHIFT = (-20.0, 40.0, -20.0)
+
+
+def render_grid(rng: np.random.Generator, cells: dict[int, SceneObject], lay: SceneLayout,
+                tint: float = 0.0) -> np.ndarray:
+    """The scene's image; ``tint`` (0-1, a tinted layout's ``scene_tint``) shifts its empty canvas."""
     img = blank(lay.height, lay.width)
     for cell, obj in cells.items():
         r, c = divmod(cell, lay.cols)
@@ -188,6 +204,10 @@ def render_grid(rng: np.random.Generator, cells: dict[int, SceneObject], lay: Sc
     if lay.textured:  # drawn after the objects, so a v4 scene's objects are its v3 twin's
         empty = (img == np.array(BACKGROUND, dtype=np.uint8)).all(-1)
         img[empty] = canvas(rng, img.shape[0], img.shape[1], lay.canvas_strength, lit=lay.lit)[empty]
+        if tint:  # part of the canvas: it fades with it
+            shift = tint * lay.canvas_strength * np.asarray(TINT_SHIFT, dtype=np.float32)
+            shifted = img[empty].astype(np.float32) + shift
+            img[empty] = np.clip(np.rint(shifted), 0, 255).astype(np.uint8)
     return img
 
 

@@ -72,6 +72,7 @@ HELDOUT_SEED = 10_000  # evaluation and the embedded job's shards use this seed:
 # the tasks this generator draws, in the order that sets each one's seed offset (never reorder)
 TASKS = ("detailcaps", "textcaps", "video")
 _TASK_CODE = {t: i + 1 for i, t in enumerate(TASKS)}
+_TINT_STREAM = 6  # the random stream of a scene's canvas tint (``scene_tint``), apart from the scene's own
 
 
 def check_task(task: str) -> str:
@@ -105,14 +106,15 @@ def vocabulary() -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------- tasks
-def _detailcaps(rng: np.random.Generator, n_objects: int | None, lay: SceneLayout) -> tuple[list[np.ndarray], str]:
+def _detailcaps(rng: np.random.Generator, n_objects: int | None, lay: SceneLayout,
+                tint: float = 0.0) -> tuple[list[np.ndarray], str]:
     n = int(rng.integers(lay.min_objects, lay.max_objects + 1)) if n_objects is None else n_objects
     n_cells = lay.rows * lay.cols
     if not 1 <= n <= n_cells:
         raise SyntheticError(f"n_objects must be in 1..{n_cells}, got {n}")
     chosen = sorted(rng.choice(n_cells, size=n, replace=False).tolist())
     cells = {cell: random_object(rng) for cell in chosen}
-    img = render_grid(rng, cells, lay)
+    img = render_grid(rng, cells, lay, tint)
     described = range(n_cells) if lay.every_cell else chosen
     parts = []
     for i, cell in enumerate(described):
@@ -146,9 +148,9 @@ def _textcaps_objects(rng: np.random.Generator, lay: SceneLayout) -> list[tuple[
     return placed
 
 
-def _textcaps(rng: np.random.Generator, lay: SceneLayout) -> tuple[list[np.ndarray], str]:
+def _textcaps(rng: np.random.Generator, lay: SceneLayout, tint: float = 0.0) -> tuple[list[np.ndarray], str]:
     placed = _textcaps_objects(rng, lay)
-    img = render_grid(rng, {cell: obj for cell, obj, _ in placed}, lay)
+    img = render_grid(rng, {cell: obj for cell, obj, _ in placed}, lay, tint)
     text = " and ".join(f"a {obj.phrase()} at {QUADRANTS[q]}" for _, obj, q in placed) + " ."
     return [img], text[0].upper() + text[1:]
 
@@ -247,6 +249,15 @@ def textcaps_cells(seed: int, index: int, layout: str = DEFAULT_LAYOUT) -> list[
     return [cell for cell, _, _ in _textcaps_objects(rng, get_layout(layout))]
 
 
+def scene_tint(task: str, seed: int, index: int, layout: str = DEFAULT_LAYOUT) -> float | None:
+    """The canvas tint (0-1, uniform) of scene ``(task, seed, index)`` on a tinted layout, from a random stream of
+    its own, so that a tinted scene's objects, texture and light are its untinted twin's; None where the layout is
+    not tinted or the task draws no grid (video)."""
+    if not get_layout(layout).tinted or check_task(task) == "video":
+        return None
+    return float(np.random.default_rng([int(seed), _TASK_CODE[task], int(index), _TINT_STREAM]).uniform())
+
+
 def token_cells(lay: SceneLayout, grid_thw, patch: int = 28) -> np.ndarray:
     """(tokens,) the cell index (row * cols + col) of each merged visual token (raster order), from the cell of
     its top-left pixel; the layout's cells are whole tokens. ``grid_thw``: the processor's (t, h, w) in patches."""
@@ -279,10 +290,11 @@ def render(task: str, seed: int, index: int, n_objects: int | None = None,
     if n_objects is not None and task != "detailcaps":
         raise SyntheticError(f"n_objects sets a detailcaps scene's object count; {task} draws its own")
     rng = np.random.default_rng([int(seed), _TASK_CODE[task], int(index)])
+    tint = scene_tint(task, seed, index, layout) or 0.0
     if task == "detailcaps":
-        frames, text = _detailcaps(rng, n_objects, lay)
+        frames, text = _detailcaps(rng, n_objects, lay, tint)
     elif task == "textcaps":
-        frames, text = _textcaps(rng, lay)
+        frames, text = _textcaps(rng, lay, tint)
     else:
         frames, text = _video(rng)
     return frames, canonical(text)

@@ -160,6 +160,10 @@ def plot(a, layers: list[dict] | None, treated, path: Path) -> Path:
     colours = {"low": "tab:green", "mid": "tab:orange", "high": "tab:red"}
     ax1.scatter(range(len(per)), per["sample_drift"], c=[colours.get(t, "grey") for t in per["drift_tercile"]], s=12)
     ax1.set(xlabel="sample (sorted)", ylabel="mean drift", title="drift per sample, by tercile")
+    shown = [t for t in colours if t in set(per["drift_tercile"])]
+    if shown:  # which colour is which tercile
+        ax1.legend(handles=[ax1.scatter([], [], color=colours[t], s=12, label=f"{t} drift") for t in shown],
+                   title="tercile", fontsize=8, title_fontsize=8)
     if layers:
         idx = [i for i in range(len(layers)) if treated[i]]
         x = range(len(idx))

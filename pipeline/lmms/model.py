@@ -35,9 +35,9 @@ from pipeline.analysis.text_metrics import rouge_l_f1
 from pipeline.schema import telemetry_summary
 from rcr.config import ConfigError, RCRConfig
 from rcr.embedded import NAME as EMBEDDED
-from rcr.embedded import model_dir as embedded_dir
+from rcr.embedded import resolve as resolve_embedded
 from rcr.methods import METHODS, Method
-from rcr.methods.knobs import knob_fields
+from rcr.methods.knobs import knob_fields, split_label, with_knobs
 
 MODEL_ARGS = ("pretrained", "method", "device", "dtype", "batch_size", "max_batch_size", "fidelity", "max_frames",
               "trust_remote_code")
@@ -114,7 +114,7 @@ def build_method(method: str, pretrained: str, fields: dict) -> Method:
     lmms-eval splits model args on commas, so a knob can be its own arg) and a config of the shared RCRConfig
     fields. A method that calibrates offline must find its calibration without held-out samples: shipped with the
     checkpoint (the embedded model's), or given (``calibration=DIR``, or ``calibration=per_sample``)."""
-    name = str(method).partition("@")[0]
+    name = split_label(method)[0]
     knobs = {f.name: f.default for f in knob_fields(METHODS[name]).values()} if name in METHODS else {}
     unknown = sorted(set(fields) - set(CONFIG_FIELDS) - set(knobs))
     if unknown:
@@ -123,10 +123,9 @@ def build_method(method: str, pretrained: str, fields: dict) -> Method:
                           f"method's own ({', '.join(knobs) or 'none'})")
     defaults = {f.name: f.default for f in dataclasses.fields(RCRConfig)}
     config = RCRConfig(**{k: _field_value(k, v, defaults[k]) for k, v in fields.items() if k in CONFIG_FIELDS})
-    own = [f"{k}={_field_value(k, v, knobs[k])}" for k, v in fields.items() if k in knobs]
-    label = method + (("," if "@" in method else "@") + ",".join(own) if own else "")
+    label = with_knobs(method, {k: _field_value(k, v, knobs[k]) for k, v in fields.items() if k in knobs})
     m = rcr.parse_method(label, config)
-    model_dir = str(embedded_dir()) if pretrained == EMBEDDED else pretrained
+    model_dir = resolve_embedded(pretrained)
     if m.calibration_samples(model_dir if os.path.isdir(model_dir) else None) > 0:
         raise ConfigError(f"model arg {name}.calibration", f"method={method} is calibrated offline, on samples it is "
                           "not evaluated on, and lmms-eval hands it none: give calibration=DIR (python -m "

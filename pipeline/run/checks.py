@@ -14,15 +14,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.schema import METHOD_ORDER
 from rcr.config import ConfigError
+from rcr.embedded import DIRECTORIES as EMBEDDED_MODELS
+from rcr.embedded import is_embedded
 from rcr.embedded import model_dir as embedded_model_dir
 
-EMBEDDED = "embedded"
-EMBEDDED_MODEL_DIR = embedded_model_dir()  # package data of rcr: rcr/embedded_model/
+EMBEDDED = "embedded"  # the default model (rcr/embedded_model/), and --shards' word for the synthetic shards
 
 # The shape of a Hub id (`owner/name`, or a legacy bare name). Whether it resolves (local cache, or the Hub when
-# online) and is a supported family is the driver's pre-flight (pipeline/preflight.py).
+# online) and is a supported family is the driver's pre-flight (pipeline/run/preflight.py).
 HUB_ID = re.compile(r"[\w][\w.-]*(/[\w][\w.-]*)?")
 
 # Pipeline defaults that differ from the library's: `full` rows record the most-attended prefix position, so
@@ -42,23 +42,50 @@ def as_list(name: str, value: Any) -> list[str]:
 def method_labels(value: Any) -> list[str]:
     """``--methods``: labels separated by commas, where a piece with ``=`` and no ``@`` continues the label before
     it (``rcr@rho=0.3,step=0.1,bacon`` is two labels: ``rcr@rho=0.3,step=0.1`` and ``bacon``)."""
-    out: list[str] = []
-    for piece in as_list("methods", value):
-        if "=" in piece and "@" not in piece:
-            if not out or "@" not in out[-1]:
-                raise ConfigError("methods", f"{piece!r} is a FIELD=VALUE with no method before it; write "
-                                             "NAME@FIELD=VALUE,FIELD=VALUE (e.g. rcr@rho=0.3,step=0.1)")
-            out[-1] = f"{out[-1]},{piece}"
-        else:
-            out.append(piece)
-    return out
+    from rcr.methods.knobs import join_labels
+
+    return join_labels(as_list("methods", value))
 
 
 def available_methods() -> list[str]:
-    """The methods the core provides, in ``METHOD_ORDER`` (then any others, alphabetically)."""
+    """The registered methods, in the registry's (display) order."""
     from rcr.methods import METHODS
 
-    return [m for m in METHOD_ORDER if m in METHODS] + sorted(m for m in METHODS if m not in METHOD_ORDER)
+    return list(METHODS)
+
+
+# The names under which the config hash has always recorded the built-in methods' knob defaults: one flat mapping,
+# each knob under its own name or, where two methods' knobs share a name, the name given here. Kept as they are so
+# that every existing output keeps its config hash. A method registered since is recorded by method, and only in the
+# hash of a job that runs it (:func:`hashed_knob_defaults`), so that installing one re-keys no other job.
+HASH_NAMES: dict[str, dict[str, str]] = {
+    "full": {}, "bacon": {}, "prefill_oracle": {"pool": "oracle_pool"}, "exact": {}, "fixed": {"tau": "fixed_tau"},
+    "rcr": {}, "rcr_layer": {}, "quest": {"reduction": "quest_reduction"},
+    "arkvale": {"rule": "arkvale_rule", "groups": "arkvale_groups"},
+    "infinigen": {"partial_ratio": "infinigen_partial_ratio", "calibration": "infinigen_calibration",
+                  "layer0": "infinigen_layer0"},
+    "refreshkv": {"rule": "refreshkv_rule"},
+}
+
+
+def hashed_knob_defaults(methods: list[str]) -> dict[str, Any]:
+    """The knob defaults a job's config hash covers: every built-in method's (:data:`HASH_NAMES`), flat, and, under
+    ``method_knobs``, those of the other methods among ``methods`` (the job's labels), by method."""
+    from rcr.methods import knob_defaults
+    from rcr.methods.knobs import split_label
+
+    record = knob_defaults()
+    out: dict[str, Any] = {}
+    for name, renamed in HASH_NAMES.items():
+        for knob, default in record.get(name, {}).items():
+            key = renamed.get(knob, knob)
+            if out.get(key, default) != default:
+                raise ValueError(f"config hash: {name}.{knob} and another method's knob would both be {key!r}, "
+                                 f"with defaults {default!r} and {out[key]!r}: give {name}.{knob} its own name in "
+                                 "HASH_NAMES")
+            out[key] = default
+    others = {n: record[n] for n in sorted({split_label(m)[0] for m in methods} - HASH_NAMES.keys()) if n in record}
+    return {**out, "method_knobs": others} if others else out
 
 
 def validate_methods(methods: Any, rcr_values: dict) -> list[str]:
@@ -98,8 +125,7 @@ def validate_rcr(values: Any) -> dict[str, Any]:
     for k in values:
         if k in names:
             continue
-        owners = [n for n, cls in METHODS.items() if k in knob_fields(cls)
-                  or any(f.metadata.get("key") == k for f in knob_fields(cls).values())]
+        owners = [n for n, cls in METHODS.items() if k in knob_fields(cls) or k in HASH_NAMES.get(n, {}).values()]
         where = (f"it is a setting of {', '.join(owners)}: give it in the method's label, e.g. --methods "
                  f"{owners[0]}@FIELD=VALUE (rcr.methods.describe_methods() lists each method's fields)" if owners
                  else f"known: {', '.join(sorted(names))}")
@@ -129,7 +155,7 @@ def validate_dataset(spec: Any, task: str, shards: list[str]) -> str:
 def validate_model(model: Any) -> None:
     if not isinstance(model, str) or not model:
         raise ConfigError("model", f"must be a non-empty string, got {model!r}")
-    if model == EMBEDDED:
+    if is_embedded(model):
         return  # the embedded checkpoint's presence is checked by the driver (it may be built after config)
     p = Path(model).expanduser()
     if p.exists():
@@ -148,7 +174,7 @@ def validate_model(model: Any) -> None:
         return
     if not HUB_ID.fullmatch(model):
         raise ConfigError("model", f"'{model}' is not a local checkpoint directory, a Hub id (owner/name) "
-                                   "or 'embedded'")
+                                   f"or an embedded model ({', '.join(EMBEDDED_MODELS)})")
 
 
 def model_slug(model: str) -> str:
@@ -160,7 +186,7 @@ def model_fingerprint(model: str) -> str:
     """For local checkpoints: config.json and the weight files' contents, so that a retrained model in the same
     directory (the same architecture, so the same file sizes) never resumes another model's rows. A Hub id is
     its own fingerprint."""
-    p = EMBEDDED_MODEL_DIR if model == EMBEDDED else Path(model).expanduser()
+    p = embedded_model_dir(model) if is_embedded(model) else Path(model).expanduser()
     if not p.is_dir():
         return model
     h = hashlib.sha256()

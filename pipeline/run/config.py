@@ -17,16 +17,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.paths import default_runs_root, default_tracking_uri  # noqa: F401 - API
 from pipeline.run import checks
-from pipeline.run.checks import EMBEDDED, EMBEDDED_MODEL_DIR, available_methods, model_slug  # noqa: F401 - API
+from pipeline.run.checks import EMBEDDED, available_methods, model_slug  # noqa: F401 - API
 from pipeline.tasks import TASKS
 from rcr.config import ConfigError
+from rcr.embedded import is_embedded
+from rcr.embedded import model_dir as embedded_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW_TOKENS_LIMIT = 8192
@@ -44,16 +46,6 @@ def default_max_new_tokens(task: str) -> int:
     if task not in TASKS:
         raise ConfigError("task", f"unknown task '{task}'; choose one of {', '.join(TASKS)}")
     return TASKS[task].max_new_tokens
-
-
-def default_runs_root() -> Path:
-    return Path(os.environ.get("RCR_RUNS_DIR", Path.home() / "rcr-runs")).expanduser().resolve()
-
-
-def default_tracking_uri() -> str:
-    """The store every entry point uses unless told otherwise: ``<runs dir>/mlflow.db`` (the local cluster's MLflow
-    server serves the same one; pipeline/analysis/mlflow_store.py)."""
-    return f"sqlite:///{default_runs_root() / 'mlflow.db'}"
 
 
 def _f(default: Any = None, help: str = "", group: str | None = None, *, factory=None, shown: str | None = None,
@@ -75,10 +67,12 @@ class JobConfig:
     :meth:`from_dict`; both validate."""
 
     task: str = _f("detailcaps", "which task (pipeline/tasks/)", WHAT)
-    model: str = _f(EMBEDDED, "'embedded' (the small synthetic-scene model shipped in rcr/embedded_model), a local "
-                    "checkpoint dir, or e.g. Qwen/Qwen2-VL-7B-Instruct", WHAT)
+    model: str = _f(EMBEDDED, "'embedded' (the small synthetic-scene model shipped in rcr/embedded_model), "
+                    "'embedded-drift' (its test bed whose samples drift at different scales), a local checkpoint "
+                    "dir, or e.g. Qwen/Qwen2-VL-7B-Instruct", WHAT)
     shards: list[str] = _f(help="Parquet shard files/dirs/globs in the input schema, or 'embedded': the synthetic "
-                           "shards, generated once under <runs dir>/shards", group=WHAT, factory=lambda: [EMBEDDED],
+                           "shards of the model's scene layout, generated once under <runs dir>/shards", group=WHAT,
+                           factory=lambda: [EMBEDDED],
                            shown="embedded", flag={"nargs": "+"})
     dataset: str | None = _f(None, "instead of --shards: NAME[:split], the task's Hugging Face dataset by name "
                              "(foundation-multimodal-models/DetailCaps-4870, lmms-lab/TextCaps, or the task name) at "
@@ -214,7 +208,7 @@ class JobConfig:
 
     def record(self) -> dict[str, Any]:
         """The config as a job records it (run record, MLflow's params): its fields, and every method's knob
-        defaults (``method_knobs``), which the config hash also covers."""
+        defaults by method (``method_knobs``), which the config hash also covers."""
         from rcr.methods import knob_defaults
 
         return {**self.to_dict(), "method_knobs": knob_defaults()}
@@ -222,19 +216,17 @@ class JobConfig:
     @property
     def config_hash(self) -> str:
         """12 hex digits over the fields that change a row's content (not limit, batching, paths). ``rcr`` counts
-        with every method's knob defaults (``rcr.methods.knob_defaults``): a changed default re-keys the outputs,
+        with the methods' knob defaults (``checks.hashed_knob_defaults``): a changed default re-keys the outputs,
         while a knob set in a label is part of that label, the rows' key."""
-        from rcr.methods import knob_defaults
-
         payload = {k: getattr(self, k) for k in HASHED_FIELDS}
-        payload["rcr"] = {**knob_defaults(), **self.rcr}
+        payload["rcr"] = {**checks.hashed_knob_defaults(checks.method_labels(self.methods)), **self.rcr}
         payload["model_fingerprint"] = checks.model_fingerprint(self.model)
         blob = json.dumps(payload, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
     def model_path(self) -> str:
         """What the loader gets: the embedded model's directory, or the name/path as given."""
-        if self.model == EMBEDDED:
-            return str(EMBEDDED_MODEL_DIR)
+        if is_embedded(self.model):
+            return str(embedded_model_dir(self.model))
         p = Path(self.model).expanduser()
         return str(p.resolve()) if p.exists() else self.model

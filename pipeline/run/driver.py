@@ -7,7 +7,7 @@
 
 1. Inputs (``inputs.py``): resolve the shards and check each one's schema against ``INPUT_SCHEMA`` (an error
    names the column); read only their ``sample_id`` column to list the rows in scope (``limit``: the first N).
-   Pre-flight (``pipeline/preflight.py``): the model resolves, is a supported family and its processor loads,
+   Pre-flight (``pipeline/run/preflight.py``): the model resolves, is a supported family and its processor loads,
    and ``--device cuda`` has a GPU; a failure is one line naming the flag, exit code 2, before Ray starts.
    Methods that calibrate offline get their held-out rows (``calibration.py``), recorded in the config, so in its
    hash.
@@ -27,11 +27,11 @@ import sys
 import time
 from typing import Any
 
-from pipeline import preflight, quiet
+from pipeline import quiet
 from pipeline.analysis import mlflow_store, mlflow_ui, report, tracking
 from pipeline.analysis.analyze import analyze
 from pipeline.quiet import say
-from pipeline.run import calibration, ray_stages
+from pipeline.run import calibration, preflight, ray_stages
 from pipeline.run.cli import job_config
 from pipeline.run.config import JobConfig
 from pipeline.run.inputs import scan_inputs

@@ -21,12 +21,14 @@ from pipeline.run.config import EMBEDDED, JobConfig, default_runs_root
 from pipeline.run.select import fingerprint_row
 from pipeline.schema import INPUT_SCHEMA, type_matches
 from rcr.config import ConfigError
+from rcr.embedded import scene_layout
 
 
-def embedded_shards(task: str) -> list[str]:
-    """The embedded synthetic shards for ``task``, generated once (deterministic) into the runs directory."""
-    # keyed on the scene layout: shards cached for an earlier embedded model's layout are never reused
-    layout = synthetic.DEFAULT_LAYOUT
+def embedded_shards(task: str, model: str = EMBEDDED) -> list[str]:
+    """The synthetic shards for ``task`` in the scene layout ``model`` was trained on (an embedded model's, or the
+    default's for any other model), generated once (deterministic) into the runs directory."""
+    # keyed on the scene layout: shards cached for another embedded model's layout are never reused
+    layout = scene_layout(model) or synthetic.DEFAULT_LAYOUT
     cache = default_runs_root() / "shards" / layout / task
     if not (cache / shards.SUCCESS_MARKER).is_file():  # absent, or an interrupted write
         write_embedded_shards(task, cache, layout=layout)
@@ -70,7 +72,7 @@ def scan_inputs(cfg: JobConfig) -> tuple[list[str], list, Any]:
     if cfg.dataset is not None:
         specs = dataset_shards(cfg.dataset, cfg.task)
     else:
-        specs = embedded_shards(cfg.task) if cfg.shards == [EMBEDDED] else cfg.shards
+        specs = embedded_shards(cfg.task, cfg.model) if cfg.shards == [EMBEDDED] else cfg.shards
     paths = resolve_shards(specs)
     rows, dup_accept = scan_shards(paths, cfg.limit)
     if not rows:

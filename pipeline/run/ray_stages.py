@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
-from pipeline import preflight, quiet
+from pipeline import quiet
 from pipeline.quiet import say
-from pipeline.run import placement, ray_local
+from pipeline.run import placement, preflight, ray_local
 from pipeline.run.actor import SampleEvaluator
 from pipeline.run.config import REPO_ROOT, JobConfig
 from pipeline.run.plan import Plan

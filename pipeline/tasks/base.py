@@ -3,7 +3,9 @@ imports one module per task, which registers it)."""
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 MEDIA = ("image", "video")
 
@@ -60,3 +62,24 @@ class Registry(dict):
 
 TASKS = Registry()
 register = TASKS.register
+ENTRY_POINT_GROUP = "rcr.tasks"  # an installed package's tasks: `name = "module:TASK"`, or a module that registers
+
+
+def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
+    """Register the tasks that installed packages declare as entry points of ``group``: each names a :class:`Task`,
+    or a module that registers its tasks when imported. ``pipeline.tasks`` calls it once on import, so a package's
+    task reaches every process of a job (the input schema's check runs in the driver and in Ray's read workers).
+    Returns the entry points' names; one that fails to load raises, naming it and its package."""
+    names = []
+    for ep in entry_points(group=group):
+        where = f"entry point {ep.name} = {ep.value} (group {group}, package {ep.dist.name if ep.dist else '?'})"
+        try:
+            obj = ep.load()
+        except Exception as e:
+            raise ImportError(f"{where} does not load: {type(e).__name__}: {e}") from e
+        if isinstance(obj, Task):
+            register(obj)
+        elif not isinstance(obj, types.ModuleType):
+            raise TypeError(f"{where}: names {obj!r}; it must name a Task or a module")
+        names.append(ep.name)
+    return names

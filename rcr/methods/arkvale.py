@@ -69,9 +69,9 @@ class ArkVale(ScorerMethod):
     page_size: int = knob(16, "entries per page (pages start at each sample's first valid prefix entry)")
     rule: str = knob("topk", "'topk' (ArkVale's paper, §5.1): the top ceil(selected / page_size) pages by digest "
                              "attend at every step; 'recall' (ablation): they are the whole page cache, of which "
-                             "only the top half must be resident", key="arkvale_rule")
+                             "only the top half must be resident")
     groups: str = knob("kv", "the page ranking: 'kv', one per KV head (mean over its G query heads); 'layer', one "
-                             "per layer (ArkVale's code default n_groups = 1)", key="arkvale_groups")
+                             "per layer (ArkVale's code default n_groups = 1)")
 
     def validate(self) -> None:
         self.need(is_int(self.page_size) and self.page_size >= 1, "page_size", "must be an integer >= 1")

@@ -4,7 +4,9 @@
   Default: BACON (``rcr.bacon_score``; docs/algorithms.md, "bacon"). ``None`` keeps the whole prefix (``full``).
 - ``decide``: at every decode layer-step (before attention, with the current post-RoPE query), return a
   :class:`Decision`: a trigger and a candidate selection. The base merges it under the trigger mask
-  (``ResidentLayer.refresh``) and records telemetry. Static methods do not override it.
+  (``ResidentLayer.refresh``) and records telemetry. Static methods do not override it. A decision may also send
+  some samples' attention at that layer-step to the whole context (``Decision.attend_full``: RefreshKV's full
+  steps).
 - ``score``, for a ``ScorerMethod`` (``scorer.py``: top-S re-selection at every layer-step, ``exact``,
   ``quest``, ``arkvale``, ``infinigen``): scores over the prefix; that base turns them into the decision.
 - ``cost_model``: prefix reads per KV head per refresh, read once per decode by the decoder and reported as
@@ -50,6 +52,9 @@ class Decision:
     # (B,) entries per KV head (mean over KV heads) that a method with its own page cache recalled into it at
     # this layer-step (ArkVale): its own traffic, recorded beside the reads of the cost model, never instead
     recalled: torch.Tensor | None = None
+    # (B,) bool: the samples whose attention at this layer-step reads the whole context (every prefix entry, the
+    # window and the generated tokens) instead of the resident slots (RefreshKV's full steps); None: none does
+    attend_full: torch.Tensor | None = None
     # already merged into the resident layer, and recorded in ``StepContext.telemetry``, by the method (rcr::decide)
     merged: bool = False
     recorded: bool = False

@@ -94,13 +94,12 @@ class InfiniGen(ScorerMethod):
     name = "infinigen"
 
     partial_ratio: float = knob(0.25, "partial key columns per KV head = round(ratio * d): the device holds Np * "
-                                      "ratio key equivalents (the RCR paper: Np/4)", key="infinigen_partial_ratio")
+                                      "ratio key equivalents (the RCR paper: Np/4)")
     calibration: str | None = knob(None, "a calibration directory (python -m rcr.calibrate_infinigen); "
                                          "'per_sample' (an ablation); or none: offline once prepared (a job does), "
-                                         "else per sample", key="infinigen_calibration")
+                                         "else per sample")
     layer0: str = knob("exact_query", "layer 0 has no previous layer to speculate from: 'exact_query' scores the "
-                                      "current query through the same columns; 'static' keeps the initial selection",
-                       key="infinigen_layer0")
+                                      "current query through the same columns; 'static' keeps the initial selection")
     # set by prepare(): (skews, cols, meta) of an offline calibration made in memory, or the shipped directory
     prepared: tuple | str | None = field(default=None, init=False, repr=False, compare=False)
 

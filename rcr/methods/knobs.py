@@ -1,9 +1,13 @@
-"""A method's own settings ("knobs"): dataclass fields of the method, set through its label.
+"""A method's own settings ("knobs"): dataclass fields of the method, set through its label; and the one reader and
+writer of labels (the library, the job's ``--methods``, lmms-eval's model args and the analyses all use these).
 
 A label is ``name`` or ``name@field=value,field=value``; a method with a ``shorthand`` knob also takes a bare first
 value (``fixed@0.05`` is ``fixed@tau=0.05``). A label names one variant of a method, so one job can run several
 (``arkvale,arkvale@rule=recall``); the label is the method's key in the output rows. Values are converted by the
 field's type; each method validates its knobs in ``validate``, with errors naming ``<method>.<field>``.
+
+Knobs are a method's own: two methods may each have a knob of the same name with their own defaults. A job records
+the defaults per method (:func:`default_record`).
 """
 
 from __future__ import annotations
@@ -19,10 +23,39 @@ BASE_FIELDS = ("config", "label")  # the fields every method has; the others are
 _TRUE, _FALSE, _NONE = ("true", "1", "yes"), ("false", "0", "no"), ("none", "null")
 
 
-def knob(default: Any, help: str, key: str | None = None):
-    """A method's knob: a field with a default and a one-line ``help``. ``key``: the knob's name in a job's record
-    of every method's defaults (:func:`default_record`), where that is not the field's own name."""
-    return field(default=default, metadata={"help": help, "key": key})
+def knob(default: Any, help: str):
+    """A method's knob: a field with a default and a one-line ``help``."""
+    return field(default=default, metadata={"help": help})
+
+
+def split_label(label: str) -> tuple[str, str | None]:
+    """``"rcr@rho=0.3,step=0.1"`` -> ``("rcr", "rho=0.3,step=0.1")``; ``"rcr"`` -> ``("rcr", None)``: the method's
+    name and the text of its knobs (:func:`parse_knobs` reads it), None without an ``@``."""
+    name, sep, args = str(label).strip().partition("@")
+    return name, (args if sep else None)
+
+
+def with_knobs(label: str, values: dict[str, Any]) -> str:
+    """``label`` with ``values`` set after its own: ``with_knobs("rcr", {"rho": 0.3})`` -> ``"rcr@rho=0.3"``,
+    ``with_knobs("rcr@rho=0.3", {"step": 0.1})`` -> ``"rcr@rho=0.3,step=0.1"``."""
+    name, args = split_label(label)
+    parts = ([args] if args else []) + [f"{k}={v}" for k, v in values.items()]
+    return f"{name}@{','.join(parts)}" if parts else name
+
+
+def join_labels(pieces: list[str]) -> list[str]:
+    """A list of labels split at every comma (``--methods rcr@rho=0.3,step=0.1,bacon``) -> the labels: a piece with
+    ``=`` and no ``@`` continues the label before it (``["rcr@rho=0.3,step=0.1", "bacon"]``)."""
+    out: list[str] = []
+    for piece in pieces:
+        if "=" in piece and "@" not in piece:
+            if not out or "@" not in out[-1]:
+                raise ConfigError("methods", f"{piece!r} is a FIELD=VALUE with no method before it; write "
+                                             "NAME@FIELD=VALUE,FIELD=VALUE (e.g. rcr@rho=0.3,step=0.1)")
+            out[-1] = f"{out[-1]},{piece}"
+        else:
+            out.append(piece)
+    return out
 
 
 def knob_fields(cls) -> dict[str, dataclasses.Field]:
@@ -78,15 +111,9 @@ def describe(cls) -> str:
     return f"{cls.name}: " + ("; ".join(parts) if parts else "no knobs")
 
 
-def default_record(classes) -> dict[str, Any]:
-    """Every method's knob defaults, one flat mapping (``key`` or field name -> default): what a job records of
-    the methods it can run, in its config hash and run record, so that a changed default re-keys its outputs.
-    Methods that share a knob name share its value (``page_size``; RCR's detector and candidates)."""
-    out: dict[str, Any] = {}
-    for cls in classes:
-        for f in knob_fields(cls).values():
-            key = f.metadata.get("key") or f.name
-            if key in out and out[key] != f.default:
-                raise ValueError(f"knob {key!r} has two defaults ({out[key]!r}, {cls.name}: {f.default!r})")
-            out[key] = f.default
-    return out
+def default_record(classes) -> dict[str, dict[str, Any]]:
+    """Each method's knob defaults, by method (``{"rcr": {"rho": 0.4, ...}, "arkvale": {"rule": "topk", ...}}``;
+    methods without knobs are left out): what a job records of the methods it can run, in its run record and its
+    config hash, so that a changed default re-keys its outputs (``pipeline/run/checks.py``)."""
+    out = {cls.name: {f.name: f.default for f in knob_fields(cls).values()} for cls in classes}
+    return {name: knobs for name, knobs in out.items() if knobs}

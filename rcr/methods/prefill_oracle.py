@@ -23,7 +23,7 @@ class PrefillOracle(Method):
     needs_reference = True
 
     pool: bool = knob(False, "average-pool the answer-attention scores like BACON (RCRConfig.bacon_kernel) before "
-                             "the top-k", key="oracle_pool")
+                             "the top-k")
 
     def validate(self) -> None:
         self.need(isinstance(self.pool, bool), "pool", "must be a bool")

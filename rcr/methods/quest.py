@@ -42,7 +42,7 @@ class Quest(ScorerMethod):
     page_size: int = knob(16, "entries per page (pages start at each sample's first valid prefix entry); the top "
                               "ceil(selected / page_size) pages are kept, with no 3-page minimum")
     reduction: str = knob("max", "U over the G query heads of a KV head: 'max' (an upper bound for the whole "
-                                 "group) or 'mean'", key="quest_reduction")
+                                 "group) or 'mean'")
 
     def validate(self) -> None:
         self.need(is_int(self.page_size) and self.page_size >= 1, "page_size", "must be an integer >= 1")

@@ -223,7 +223,7 @@ class Fixed(DriftRefresh):
     name = "fixed"
     shorthand = "tau"
 
-    tau: float = knob(0.03, "the constant threshold (the paper's tercile analysis uses 0.03)", key="fixed_tau")
+    tau: float = knob(0.03, "the constant threshold (the paper's tercile analysis uses 0.03)")
 
     def validate(self) -> None:
         super().validate()

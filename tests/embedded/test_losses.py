@@ -1,6 +1,7 @@
 """The embedded model's objective and its held attention sink (embedded/losses.py, sink.py): the grounding
-loss moves the supervised layer's attention onto the described cell, its spread variant over the whole cell, and
-the sink stays where it is held through training and takes a head's idle mass."""
+loss moves the supervised layer's attention onto the described cell, its spread variant over the whole cell, the
+share loss holds each sample's image share of attention to its own target, and the sink stays where it is held
+through training and takes a head's idle mass."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from embedded.assets import SYSTEM_PROMPT_ROLE, build_model, build_processor, bu
 from embedded.batches import BatchBuilder
 from embedded.curriculum import cooled_lr
 from embedded.loops import Polisher, RunOptions, Trainer
-from embedded.losses import grounding_loss, optimizer_step
+from embedded.losses import Share, answer_rows, grounding_loss, image_share_loss, optimizer_step
 from embedded.recipe import Recipe
 from embedded.sink import HELD_SINK_LOGIT, HeldSink, sink_logit_at
 from embedded.train import build_run_model, main_optimizer
@@ -97,6 +98,68 @@ def test_ground_spread_asks_for_the_whole_cell_not_one_entry():
         got[spread] = float(tokens.transpose(1, 2)[rows].mean()), float(grounding_loss(att, batch["ground"])[1])
     assert got[False][0] < 10 < 12 < got[True][0] <= 16, got
     assert got[True][1] > 5 * 16 / 320, got
+
+
+def test_share_loss_is_zero_only_where_the_held_means_meet_each_samples_target():
+    """image_share_loss: the squared log-odds gap between the image's share of an answer step's attention and the
+    sample's own target, over the layer's head mean (groups 1) or each KV head's mean over its query heads (groups
+    H_kv): heads that split the image unevenly around the target meet it as a layer and miss it as KV heads."""
+    # (B=2, H=4, T=3, T=3): token 0 is the image, row 2 the one answer step; sample b's heads give the image share[b]
+    share = torch.tensor([[0.05, 0.15, 0.2, 0.2], [0.3, 0.3, 0.3, 0.3]])  # (B, H); head means 0.15 and 0.3
+    attn = torch.zeros(2, 4, 3, 3)
+    attn[:, :, :, 0] = share[:, :, None]
+    attn[:, :, :, 1] = 1 - share[:, :, None]
+    image = torch.tensor([[True, False, False]] * 2)
+    rows = torch.tensor([[False, False, True]] * 2)
+    target = torch.tensor([0.15, 0.3])
+    loss, seen = image_share_loss([attn], rows, image, target, groups=1)
+    assert float(loss) == pytest.approx(0.0, abs=1e-6) and seen.tolist() == pytest.approx([0.15, 0.3])
+    by_kv = float(image_share_loss([attn], rows, image, target, groups=2)[0])  # KV heads at 0.1 / 0.2 and 0.3 / 0.3
+    gaps = [np.log(0.1 / 0.9) - np.log(0.15 / 0.85), np.log(0.2 / 0.8) - np.log(0.15 / 0.85), 0.0, 0.0]
+    assert by_kv == pytest.approx(np.mean(np.square(gaps)), rel=1e-4)
+    off = float(image_share_loss([attn], rows, image, torch.tensor([0.01, 0.3]), groups=1)[0])
+    assert off == pytest.approx((np.log(0.15 / 0.85) - np.log(0.01 / 0.99)) ** 2 / 2, rel=1e-4)
+    # grounding relative to the image mass (the share stage's default): the cell's share of the row's image mass
+    row = torch.tensor([0.25, 0.25, 0.5]).expand(1, 1, 3, 3)  # (B, H, T, T): tokens 0-1 the image, 0 the cell
+    cell = torch.zeros(1, 3, 3, dtype=torch.bool)
+    cell[0, 2, 0] = True
+    on_image = torch.tensor([[True, True, False]])
+    assert float(grounding_loss(row, cell)[1]) == pytest.approx(0.25)
+    assert float(grounding_loss(row, cell, image=on_image)[1]) == pytest.approx(0.5)
+    labels = torch.tensor([[-100, -100, 7, 8]])
+    assert answer_rows(labels).tolist() == [[False, True, True, False]]  # the steps that write tokens 7 and 8
+
+
+def test_share_loss_sets_each_samples_image_share_from_its_target():
+    """optimizer_step with a share loss: from one initialisation and on one v6 batch whose two scenes are trained
+    to shares 0.02 and 0.3, 30 steps leave the low-target scene's answer steps giving the image under half the share
+    of the high-target one, and the mean of each within a factor 3 of its target, where steps without the loss (the
+    targets ignored) leave the two alike."""
+    tok = build_tokenizer()
+    builder = BatchBuilder(build_processor(tok))
+    batch = builder.build("detailcaps", [S.render("detailcaps", 3, i, layout="v6") for i in range(2)])
+    batch["share_target"] = torch.tensor([0.02, 0.3])
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    got = {}
+    for weight in (0.0, 1.0):
+        torch.manual_seed(0)
+        model = build_model(tok, "tiny", 0)
+        model.set_attn_implementation({"text_config": "eager", "vision_config": "eager"})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        share = Share(weight, (0, 1), 1, image_id)
+        for _ in range(30):
+            out = optimizer_step(model, opt, dict(batch), 1e-2, share=share)
+            assert (out[4] is None) == (weight == 0)
+        with torch.no_grad():
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "share_target")}
+            att = model(**inputs, output_attentions=True).attentions
+        rows = answer_rows(batch["labels"])  # (B, T)
+        image = batch["input_ids"] == image_id  # (B, T)
+        share = torch.stack([(a * image[:, None, None]).sum(-1).mean(1) for a in att]).mean(0)  # (B, T)
+        got[weight] = [float(share[i][rows[i]].mean()) for i in range(2)]
+    low, high = got[1.0]
+    assert low < 0.5 * high and 0.02 / 3 < low < 0.06 and 0.1 < high < 0.9, got
+    assert abs(got[0.0][0] - got[0.0][1]) < 0.25 * max(got[0.0]), got
 
 
 def sink_share(model, inputs, layer: int | None = None, start: int = 30) -> list[float]:

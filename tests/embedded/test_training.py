@@ -190,3 +190,68 @@ def test_polish_stage_continues_a_finished_main_stage(tmp_path, capsys):
             tasks.add(task)
         # the last phase's own mix draws several tasks at these steps; textcaps alone draws textcaps only
         assert (tasks == {"textcaps"}) == (mix is not None) and "textcaps" in tasks, tasks
+
+
+def test_the_share_stage_runs_alone_from_the_model_its_recipe_made_and_resumes_exactly(tmp_path, capsys):
+    """A recipe with a share stage, given --init-from a model its other fields made, runs only the share stage: on
+    share_layout's tinted scenes, each description batch carries its scenes' share targets (log-linear in the
+    tint); it checkpoints, resumes to the weights of a straight run, and saves a model whose recipe names the stage
+    (so its scene layout is the share stage's). A model of another recipe starts the whole run from its weights."""
+    from embedded.share import Sharer, share_target
+    from pipeline.data import synthetic as S
+    from rcr.embedded import scene_layout
+
+    common = TINY + ["--layout", "v5", "--vision-steps", "0", "--steps", "10", "--polish-steps", "2"]
+    base = run(common, tmp_path, "base")
+    share = common + ["--share-steps", "2", "--share-layers", "0", "1", "--init-from", str(base)]
+    capsys.readouterr()
+    assert run(share, tmp_path, "a", "--stop-after", "1") is None
+    out = capsys.readouterr().out
+    assert "running only that stage" in out and "--stop-after: checkpointed at step 1" in out
+    run(share, tmp_path, "a")
+    out = capsys.readouterr().out
+    assert f"resumed from {tmp_path / 'a' / 'share.pt'} at step 1" in out and "after 2 share steps" in out
+    run(share, tmp_path, "b", "--same-as", str(tmp_path / "a" / "model"))
+    assert "bit for bit" in capsys.readouterr().out
+    saved = Recipe.load(tmp_path / "a" / "model")
+    assert saved.share_steps == 2 and scene_layout(str(tmp_path / "a" / "model")) == "v6"
+    before = load_file(base / "model.safetensors")
+    moved = [k for k, v in weights(tmp_path / "a").items() if not torch.equal(v, before[k])]
+    assert moved, "the share stage trained nothing"
+
+    # another recipe's model: the whole run starts from its weights (the main stage's first step)
+    capsys.readouterr()
+    assert run(share + ["--polish-lr", "1e-3"], tmp_path, "c", "--stop-after", "1") is None
+    out = capsys.readouterr().out
+    assert "running only that stage" not in out and "checkpointed at step 1" in out
+    assert (tmp_path / "c" / "ckpt.pt").exists() and not (tmp_path / "c" / "share.pt").exists()
+
+    # its optimizer: the value projections at share_value_lr_scale, the tower's body at vision_lr_scale
+    from embedded.share import share_optimizer
+
+    recipe = cli.parse(share[:-2] + ["--share-value-lr-scale", "10"])[0]
+    model, _ = train.build_run_model(recipe, build_tokenizer(), "cpu")
+    names = {id(p): n for n, p in model.named_parameters()}
+    scales = {names[id(p)]: g["lr_scale"] for g in share_optimizer(model, recipe).param_groups for p in g["params"]}
+    assert {n for n, s in scales.items() if s == 10} == {n for n in scales if ".self_attn.v_proj." in n}
+    assert scales["model.visual.blocks.0.mlp.fc1.weight"] == recipe.vision_lr_scale
+
+    # its batches: the polish stage's plan, on v6, with the share targets on descriptions only
+    tok = build_tokenizer()
+    builder = BatchBuilder(build_processor(tok))
+    recipe = cli.parse(common + ["--share-steps", "6", "--share-layers", "1", "--polish-steps", "6", "--steps",
+                                 "30"])[0]
+    model, sink = train.build_run_model(recipe, tok, "cpu")
+    sharer = Sharer(recipe, RunOptions(tmp_path, tmp_path), model, train.main_optimizer(model, recipe), builder,
+                    tmp_path / "unused.pt", 0.0, sink)
+    seen = set()
+    for step in range(6):
+        sharer.step = step
+        task, lay, items, _ = batch_plan(recipe.polish_seed, 24 + step, 30, 0.25, "v6", recipe.polish_mix)
+        batch = sharer.batch()
+        assert lay == "v6" and ("share_target" in batch) == (task == "detailcaps"), (task, batch.keys())
+        if task == "detailcaps":
+            want = [share_target(S.scene_tint(task, s, i, "v6"), recipe.share_range) for s, i, _ in items]
+            assert batch["share_target"].tolist() == pytest.approx(want)
+        seen.add(task)
+    assert "detailcaps" in seen

@@ -23,9 +23,11 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from matplotlib.colors import to_rgb
 from mlflow import MlflowClient
 
 from pipeline.analysis import mlflow_ui, tracking
+from pipeline.analysis.colours import label_colours
 from tests.fake_output import make_output_frame
 from tests.pipeline_helpers import PY, REPO
 from tests.ray_head import free_port
@@ -159,6 +161,17 @@ def test_experiment_url_opens_on_the_runs_table(served_job, tmp_path):
     _assert_model_training_view(dom, s["exp"])
 
 
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_the_experiments_list_has_the_switch_a_job_names(served_job, tmp_path):
+    """The UI's own Experiments list links to the experiment with no view (so a fresh browser lands on the GenAI
+    overview), and shows the "GenAI | Model training" switch that a job's last [mlflow] line tells the user to set."""
+    s = served_job
+    dom = _render(f"{s['base']}/#/experiments", tmp_path, lambda d: f'href="#/experiments/{s["exp"]}"' in d)
+    assert f'href="#/experiments/{s["exp"]}"' in dom, dom[-2000:]
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
+    assert "GenAI Model training" in text and "'GenAI | Model training' switch" in mlflow_ui.LIST_HINT
+
+
 def _assert_model_training_view(dom: str, exp: str) -> None:
     """The side navigation of the "Model training" view (Runs, Models, ...), not the GenAI one (Overview, ...)."""
     nav = _links(dom)
@@ -242,3 +255,8 @@ def test_chart_view_opens_on_the_jobs_charts(served_job, tmp_path):
     labels = re.findall(r'<text[^>]*class="bartext[^"]*"[^>]*>([0-9.]+)</text>', first)  # not the axis ticks
     fidelity = sorted(f"{r.data.metrics['fidelity']:.2f}" for rid, r in s["runs"].items() if rid != s["pid"])
     assert sorted(labels) == fidelity, (labels, fidelity)
+    # each bar in its method's colour (the plots' table; the run's mlflow.runColor tag): one colour per method
+    fills = re.findall(r'<path[^>]*class="point[^"]*"[^>]*>|<g class="point[^"]*">\s*<path[^>]*>', first)
+    bars = {tuple(int(c) for c in m) for m in re.findall(r"fill:\s*rgb\((\d+),\s*(\d+),\s*(\d+)\)", "".join(fills))}
+    want = {tuple(round(255 * c) for c in to_rgb(colour)) for colour in label_colours(METHODS).values()}
+    assert bars == want and len(want) == len(METHODS), (bars, want)

@@ -1,4 +1,4 @@
-"""A job whose model or device fails the pre-flight (pipeline/preflight.py) prints one line and exits with
+"""A job whose model or device fails the pre-flight (pipeline/run/preflight.py) prints one line and exits with
 code 2 before Ray starts or anything is written; offline (HF_HUB_OFFLINE=1), on an empty Hub cache."""
 
 from __future__ import annotations

@@ -163,4 +163,4 @@ def test_through_the_driver_the_rows_and_the_run_record_carry_the_calibration(tm
     extra = record["config"]["rcr"]["extra"]["infinigen_calibration"]
     assert extra["kind"] == "heldout" and extra["source"] == inf.calibration.iloc[0]
     assert record["config_hash"] == df.config_hash.iloc[0]
-    assert record["config"]["method_knobs"]["infinigen_partial_ratio"] == 0.25  # every method's defaults recorded
+    assert record["config"]["method_knobs"]["infinigen"]["partial_ratio"] == 0.25  # every method's defaults recorded

@@ -29,9 +29,9 @@ def fake():
 
 
 def test_the_figures_are_the_rows_statistics(fake):
-    """exact - bacon is the mean paired difference of the samples' fidelities, inside its CI; the dwell is the
-    analysis' stability; fixed's refresh per drift tercile is the mean over that third of the samples, ranked by
-    their fixed rows' mean drift."""
+    """exact - bacon is the mean paired difference of the samples' fidelities, inside its CI, overall and within
+    each drift tercile; the dwell is the analysis' stability; fixed's refresh per drift tercile is the mean over
+    that third of the samples, ranked by their fixed rows' mean drift."""
     df, a = fake
     f = premises.by_key(premises.figures(a, None, None, None))
     fid = a.per_sample.pivot(index="sample_id", columns="method", values="fidelity")
@@ -51,7 +51,13 @@ def test_the_figures_are_the_rows_statistics(fake):
     text = premises.table(premises.figures(a, None, None, None))
     assert text.splitlines()[0].startswith("premise") and "paper 41% (Qwen2-VL) - 80% (LLaVA-NeXT)" in text
     tercile_lines = [ln for ln in text.splitlines() if "tercile" in ln]  # fixed's refresh, low / high: once
-    assert len(tercile_lines) == 1 and f"{low:.3f} / {high:.3f}" in tercile_lines[0], text
+    assert len(tercile_lines) == 2 and f"{low:.3f} / {high:.3f}" in tercile_lines[0], text
+    gap = fid["exact"] - fid["bacon"]
+    for i, t in enumerate(("low", "mid", "high")):  # the samples' own tercile (drift_tercile), their paired mean
+        ids = a.per_sample.drop_duplicates("sample_id").set_index("sample_id")["drift_tercile"]
+        e = f[f"exact_minus_bacon_tercile_{t}"]
+        assert e.metric == pytest.approx(gap[ids[ids == t].index].mean()) and e.ci_low <= e.metric <= e.ci_high
+        assert (f"{e.metric:+.3f}" if i else e.value) in tercile_lines[1]
 
 
 def test_per_layer_figures_leave_out_layers_that_are_never_reselected():

@@ -110,6 +110,35 @@ def test_frontier_resamples_recompute_rcr_refresh():
     assert c["frontier_fidelity_ci_high"] - c["frontier_fidelity_ci_low"] > 0.02
 
 
+def test_every_method_is_matched_to_the_frontier_at_its_own_refresh_and_reads():
+    """A method that refreshes rarely but reads much per refresh (RefreshKV's full steps) sits at one point of the
+    fixed-τ frontier by refresh and at another by reads: each axis is interpolated on its own, with a paired CI."""
+    base = np.random.default_rng(4).uniform(0.2, 0.8, len(IDS))
+    fid = {"fixed@0.02": base + 0.15, "fixed@0.05": base + 0.10, "fixed@0.1": base + 0.02, "refreshkv": base + 0.08,
+           "bacon": base, "full": np.ones(len(IDS))}
+    ref = {"fixed@0.02": 0.8, "fixed@0.05": 0.5, "fixed@0.1": 0.2, "refreshkv": 0.25, "bacon": 0.0, "full": 0.0}
+    wide = _wide(fid, ref)
+    wide["reads_per_step"] = wide["refresh_fraction"] * 160.0  # fixed reads 160 per refresh
+    wide["reads_per_step"]["refreshkv"] = 0.25 * 2 * 310.0  # a full step reads 2 Np
+    m = FT.matched_frontier(wide, None, ST)
+    assert set(m) == {"refreshkv", "bacon"}  # neither `full` nor the candidates themselves
+    r = m["refreshkv"]
+    at_refresh = fid["fixed@0.1"].mean() + (0.25 - 0.2) / 0.3 * (fid["fixed@0.05"].mean() - fid["fixed@0.1"].mean())
+    assert r["frontier_at_refresh"] == pytest.approx(at_refresh)
+    assert r["diff_frontier_refresh"] == pytest.approx(fid["refreshkv"].mean() - at_refresh)
+    assert r["diff_frontier_refresh_ci_low"] <= r["diff_frontier_refresh"] <= r["diff_frontier_refresh_ci_high"]
+    # 155 reads, beyond the points' 32, 80 and 128: not extrapolated
+    assert np.isnan(r["frontier_at_reads"]) and np.isnan(r["diff_frontier_reads_ci_low"])
+    wide["reads_per_step"]["refreshkv"] = 0.1 * 2 * 310.0  # 62 reads: between fixed@0.1 (32) and fixed@0.05 (80)
+    r = FT.matched_frontier(wide, None, ST)["refreshkv"]
+    at_reads = fid["fixed@0.1"].mean() + (62.0 - 32.0) / 48.0 * (fid["fixed@0.05"].mean() - fid["fixed@0.1"].mean())
+    assert r["frontier_at_reads"] == pytest.approx(at_reads)
+    assert r["diff_frontier_reads"] == pytest.approx(fid["refreshkv"].mean() - at_reads)
+    assert np.isnan(m["bacon"]["diff_frontier_refresh"])  # refresh 0: below the points
+    assert FT.matched_frontier(_wide({"rcr": base}, {"rcr": 0.4}) | {"reads_per_step": wide["reads_per_step"]},
+                               None, ST) == {}  # no sweep: nothing to match
+
+
 def test_no_extrapolation_and_interpolation_rules():
     xs, ys = np.array([0.5, 0.1, 0.5, 0.3]), np.array([0.9, 0.5, 0.7, 0.6])
     assert FT.interpolate(0.4, xs, ys) == pytest.approx((0.6 + 0.8) / 2)  # ties at 0.5 averaged: 0.8
@@ -145,6 +174,10 @@ def test_analysis_summary_and_mlflow_values_name_tau_star():
     txt = format_summary(a)
     assert f"tau* = {c.tau_star:g} ({c.tau_star_method})" in txt and "rcr - fixed(tau*)" in txt
     assert "rcr - frontier" in txt
+    assert "method - fixed-tau frontier at the method's own refresh and reads/step" in txt
+    row = a.methods.set_index("method").loc["rcr"]
+    assert f"  rcr: refresh {row.refresh_fraction:.3f}: {row.diff_frontier_refresh:+.3f}" in txt
+    assert row.diff_frontier_refresh == pytest.approx(c.diff_frontier)  # the same comparison as the rcr line
     params, metrics = FT.mlflow_values(a.fixed_comparison, multi=False)
     assert params["tuned_fixed.tau_star"] == c.tau_star and metrics["tuned_fixed.diff_tuned"] == c.diff_tuned
     assert "sha256" in params["tuned_fixed.split"] and "sha256" in a.meta["fixed_tuning"]

@@ -246,3 +246,13 @@ def test_a_video_file_is_decoded_as_rcr_generate_decodes_its_frames(tmp_path):
         res = rcr.generate(m.model, inputs, method="full", max_new_tokens=16)
     assert got.text == m.tokenizer.decode(res.sample(0)["tokens"], skip_special_tokens=True).strip()
     assert got.token_counts.input_tokens == int(inputs["attention_mask"].sum())
+
+
+def test_the_drift_test_bed_loads_by_name_with_its_own_calibration():
+    """``pretrained=embedded-drift`` loads the drift test bed (docs/embedded.md), and InfiniGen finds the
+    calibration shipped beside its weights (made for them: a calibration of other weights is refused)."""
+    from rcr.embedded import model_dir
+
+    m = get_model("rcr").create_from_arg_string("pretrained=embedded-drift,method=infinigen")
+    assert m.model.config._name_or_path == str(model_dir("embedded-drift"))
+    assert m.method_.calibration_samples(str(model_dir("embedded-drift"))) == 0

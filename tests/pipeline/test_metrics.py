@@ -244,7 +244,7 @@ def test_missing_full_and_multiple_models():
 def test_format_summary(analysis):
     txt = format_summary(analysis)
     header = txt.splitlines()[1]
-    for col in ("method", "fidelity [95% CI]", "vs bacon [CI]", "refresh", "reads/step"):
+    for col in ("method", "fidelity [95% CI]", "vs bacon [CI]", "refresh", "reads"):
         assert col in header
     rcr = next(line for line in txt.splitlines() if line.startswith("rcr "))
     assert re.search(r"\d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]", rcr)  # mean [CI]
@@ -253,7 +253,7 @@ def test_format_summary(analysis):
 
 
 def test_summary_columns_keep_one_number_format():
-    """tok/s (and reads/step) print with one decimal whatever their size: 970.3 next to 1095.0, not 1,095."""
+    """tok/s (and reads) print with one decimal whatever their size: 970.3 next to 1095.0, not 1,095."""
     df = make_output_frame(n_samples=6, methods=("full", "bacon", "rcr"))
     df["tokens_per_s"] = df.method.map({"full": 970.3, "bacon": 1095.0, "rcr": 12.34})
     txt = format_summary(analyze(df, bootstrap_resamples=200))

@@ -117,21 +117,25 @@ def test_embedded_shards_are_generated_once(tmp_path, monkeypatch):
 
 
 def test_embedded_shards_follow_the_model_layout(tmp_path, monkeypatch):
-    """A new embedded model (a new scene layout) gets its own shards: the cached ones of the old layout are
-    never reused."""
+    """Each embedded model gets the shards of the scene layout it was trained on (its recipe's): the cached
+    shards of another model's layout are never reused; any other model gets the default layout's."""
     from pipeline.data import synthetic
     from pipeline.run import inputs as run
     from pipeline.tasks import TASKS
+    from rcr.embedded import scene_layout
 
     monkeypatch.setenv("RCR_RUNS_DIR", str(tmp_path))
     monkeypatch.setitem(TASKS, "detailcaps", dataclasses.replace(TASKS["detailcaps"], embedded_size=2))
+    layouts = {m: scene_layout(m) for m in ("embedded", "embedded-drift")}
+    assert len(set(layouts.values())) == 2, layouts  # the test bed's scenes differ from the default's
     dirs = {}
-    for layout in ("v1", "v2"):
-        monkeypatch.setattr(synthetic, "DEFAULT_LAYOUT", layout)
-        (dirs[layout],) = run.embedded_shards("detailcaps")
-        ids = pa.parquet.read_table(dirs[layout], columns=["sample_id"]).column(0).to_pylist()
-        assert all(("v2-" in i) == (layout == "v2") for i in ids), ids
-    assert dirs["v1"] != dirs["v2"]
+    for model, layout in layouts.items():
+        (dirs[model],) = run.embedded_shards("detailcaps", model)
+        ids = pa.parquet.read_table(dirs[model], columns=["sample_id"]).column(0).to_pylist()
+        assert len(ids) == 2 and all(f"-{layout}-" in i for i in ids), (model, ids)
+    assert dirs["embedded"] != dirs["embedded-drift"]
+    (other,) = run.embedded_shards("detailcaps", "Qwen/Qwen2-VL-2B-Instruct")
+    assert Path(other).parent.name == synthetic.DEFAULT_LAYOUT
 
 
 def test_offload_bytes_reach_the_output_rows(tmp_path):

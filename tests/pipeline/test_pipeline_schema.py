@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+import rcr
 from pipeline import schema
 from pipeline.analysis import tracking
 from pipeline.analysis.analyze import METHOD_MEANS, analyze
@@ -166,7 +167,12 @@ def test_one_image_decoding(mode):
         assert not np.array_equal(np.asarray(actor), a[..., :3])
 
 
-def test_one_method_order():
+def test_one_method_order_the_registrys(monkeypatch):
+    """--methods all and the analysis' display order are the registry's: a method registered later comes after the
+    others, not where its name sorts; its variants and the fixed-tau sweep follow."""
+    late = type("Late", (rcr.methods.Exact,), {"name": "a_late"})
+    monkeypatch.setitem(rcr.METHODS, late.name, late)
     methods = config.available_methods()
-    assert methods == order_methods(methods)  # the config's "all" is the analysis' display order
-    assert methods[: len(schema.METHOD_ORDER)] == [m for m in schema.METHOD_ORDER if m in methods]
+    assert methods == list(rcr.METHODS) and methods[-1] == "a_late"
+    assert order_methods(["fixed@0.05", "a_late", "rcr@rho=0.3", "infinigen", "full", "fixed@0.02"]) == \
+        ["full", "infinigen", "a_late", "fixed@0.02", "fixed@0.05", "rcr@rho=0.3"]

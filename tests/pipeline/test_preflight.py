@@ -1,4 +1,4 @@
-"""The driver's pre-flight (pipeline/preflight.py) on local fixtures, offline (HF_HUB_OFFLINE=1): a saved
+"""The driver's pre-flight (pipeline/run/preflight.py) on local fixtures, offline (HF_HUB_OFFLINE=1): a saved
 checkpoint of every family passes and loads; each failure is one line naming the flag. The job's exit code 2
 before Ray starts: tests/integration/test_preflight_job.py."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import rcr
-from pipeline import preflight
-from pipeline.preflight import PreflightError
+from pipeline.run import preflight
 from pipeline.run.cli import job_config
+from pipeline.run.preflight import PreflightError
 from rcr.models import SUPPORTED, build_inputs, load
 from tests import tiny_models
 

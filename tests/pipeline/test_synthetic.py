@@ -199,6 +199,32 @@ def test_v5_canvas_says_where_a_token_is(task):
         assert np.array_equal(S.render(task, 3, i, layout="v5", canvas_strength=0.0)[0][0], flat)
 
 
+@pytest.mark.parametrize("task", ["detailcaps", "textcaps"])
+def test_v6_is_v5_with_a_canvas_tint_drawn_per_scene(task):
+    """v6: v5's objects, text and canvas for the same index, with the empty canvas shifted by the scene's tint
+    (0-1, ``scene_tint``, a draw of its own): green - (red + blue) / 2 moves by 60 x the tint while brightness and
+    warmth (the light's axes, which place a token's cell) stay; the objects' pixels are untouched; scenes draw
+    different tints; at canvas strength 0 the tint fades with the texture."""
+    tints = []
+    for i in range(8):
+        (a,), text5 = S.render(task, 3, i, layout="v5")
+        (b,), text6 = S.render(task, 3, i, layout="v6")
+        (flat,), _ = S.render(task, 3, i, layout="v3")
+        assert text6 == text5
+        empty = (flat == np.array(S.BACKGROUND)).all(-1)
+        assert np.array_equal(a[~empty], b[~empty])
+        t = S.scene_tint(task, 3, i, "v6")
+        assert 0.0 <= t <= 1.0 and t == S.scene_tint(task, 3, i, "v6")
+        d = b[empty].astype(float) - a[empty].astype(float)  # (pixels, 3)
+        assert (d[:, 1] - (d[:, 0] + d[:, 2]) / 2).mean() == pytest.approx(60 * t, abs=1.0)
+        assert abs(d.mean()) < 1.0 and abs((d[:, 0] - d[:, 2]).mean()) < 1.0
+        assert np.array_equal(S.render(task, 3, i, layout="v6", canvas_strength=0.0)[0][0], flat)
+        tints.append(t)
+    assert max(tints) - min(tints) > 0.5
+    assert S.scene_tint(task, 3, 0, "v5") is None and S.scene_tint("video", 3, 0, "v6") is None
+    assert S.make_record(task, 3, 0, layout="v6")["sample_id"] == f"synthetic-v6-{task}-s3-0000000"
+
+
 def test_layouts_keep_video_and_tag_sample_ids():
     assert S.render("video", 0, 3, layout="v1")[1] == S.render("video", 0, 3, layout="v3")[1]
     assert S.make_record("detailcaps", 0, 1, layout="v2")["sample_id"] == "synthetic-v2-detailcaps-s0-0000001"

@@ -13,6 +13,7 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.analysis import mlflow_store, mlflow_ui, tracking
+from pipeline.analysis.colours import label_colours
 from tests.fake_output import make_output_frame, write_output_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,6 +228,15 @@ def test_parent_run_carries_each_methods_fidelity_and_ci(job):
             assert pm[f"{name}/{label}"] == pytest.approx(child.data.metrics[name]), (name, label)
 
 
+def test_each_method_run_has_its_plots_colour(job):
+    """The UI draws a run in its mlflow.runColor: every method run carries its method's colour from the plots' table,
+    so no two methods share one in the charts and runs table (MLflow would hash the run ids into its palette)."""
+    _, _, children = _active_runs(job["uri"], "rcr-test")
+    colours = label_colours([r.data.tags["rcr.method"] for r in children])
+    tagged = {r.data.tags["rcr.method"]: r.data.tags["mlflow.runColor"] for r in children}
+    assert tagged == colours and len(set(tagged.values())) == len(tagged) == len(METHODS)
+
+
 def test_ui_urls_open_the_runs_of_the_job(job, capsys):
     """The job URL names the job's shared view (an experiment tag), whose search and sort, as MLflow's own search,
     give exactly the job's runs, best fidelity first; its columns and charts are metrics every method run has.
@@ -261,6 +271,9 @@ def test_ui_urls_open_the_runs_of_the_job(job, capsys):
     assert (f"mlflow ui --backend-store-uri {job['uri']} --artifacts-destination {job['tmp'] / 'mlartifacts'} "
             "--host 127.0.0.1 --port 5000") in out
     assert mlflow_ui.job_runs_url(job["uri"], exp, key) in out and mlflow_ui.run_url(job["uri"], exp, pid) in out
+    # and, for the UI's own Experiments list (whose links name no view), where to click once
+    assert "[mlflow] UI, from its Experiments list: set the 'GenAI | Model training' switch (top left) to Model " \
+           "training, once\n" in out
     assert mlflow_ui.store_path(job["uri"]) == str(job["tmp"] / "mlflow.db")
     assert mlflow_ui.store_path("http://127.0.0.1:5000") is None
 

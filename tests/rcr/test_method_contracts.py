@@ -28,9 +28,12 @@ from tests import tiny_models
 from tests.host_sync import HostSync, forbid_host_sync
 from tests.methods import Scale
 
-METHODS = sorted(rcr.METHODS)
-SMALL = Scale(rcr.RCRConfig(selected=8, window=8), candidates=32, tau0=0.3, page_size=4)
-BIG = Scale(rcr.RCRConfig(selected=4096, window=8), candidates=4096)  # budget >= any test prefix
+# each method's contracts carry the mark method(name=...): `-m "method(name='rcr')"` selects exactly rcr's (`-k rcr`
+# matches every id that contains "rcr", rcr_layer's too)
+METHODS = [pytest.param(m, marks=pytest.mark.method(name=m)) for m in sorted(rcr.METHODS)]
+# refreshkv's full steps every 3 decode steps: several in each decode here (its default, 10, would come after them)
+SMALL = Scale(rcr.RCRConfig(selected=8, window=8), candidates=32, tau0=0.3, page_size=4, stride=3)
+BIG = Scale(rcr.RCRConfig(selected=4096, window=8), candidates=4096, stride=3)  # budget >= any test prefix
 N_NEW = 10
 
 

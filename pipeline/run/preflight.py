@@ -25,7 +25,9 @@ import json
 import os
 from pathlib import Path
 
-from pipeline.run.config import EMBEDDED, EMBEDDED_MODEL_DIR, ConfigError, JobConfig
+from pipeline.run.config import ConfigError, JobConfig
+from rcr.embedded import is_embedded
+from rcr.embedded import model_dir as embedded_model_dir
 
 
 class PreflightError(ConfigError):
@@ -60,11 +62,12 @@ def _on_existing_cluster(cfg: JobConfig) -> bool:
 def resolve_model(model: str, cache_dir: str | None = None) -> str:
     """The directory holding ``model``'s files (or, for a Hub id that is reachable but not cached, the id:
     the actors download it). ``cache_dir``: the Hub cache (default: huggingface_hub's, ``HF_HUB_CACHE``)."""
-    if model == EMBEDDED:
-        if not (EMBEDDED_MODEL_DIR / "config.json").is_file():
-            raise PreflightError("model", model, f"the embedded model is missing at {EMBEDDED_MODEL_DIR} (it ships "
-                                                 "with the repository; train it with jobs/train_embedded.py)")
-        return str(EMBEDDED_MODEL_DIR)
+    if is_embedded(model):
+        where = embedded_model_dir(model)
+        if not (where / "config.json").is_file():
+            raise PreflightError("model", model, f"the embedded model is missing at {where} (it ships with the "
+                                                 "repository; train it with jobs/train_embedded.py)")
+        return str(where)
     p = Path(model).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():

@@ -224,7 +224,9 @@ def report(r: dict) -> list[str]:
     """The family's lines: figures, then one markdown table row for docs/models.md."""
     ss, kind = r["samples"], r["kind"]
     bw, gemm = r["rates"][f"bw_{kind}"], r["rates"][f"bf16_{kind}"]
-    ms = {m: float(np.mean([s["methods"][m][f"ms_{kind}"] for s in ss])) for m in ss[0]["methods"]}
+    got = ss[0]["methods"]
+    order = [m for m in METHODS if m in got] + [m for m in got if m not in METHODS]
+    ms = {m: float(np.mean([s["methods"][m][f"ms_{kind}"] for s in ss])) for m in order}
     kv = max(s["kv_bytes"] for s in ss)
     floor_ms = (r["step_bytes"] + kv) / bw * 1e3  # a decode step reads the text weights and (full) the store
     prefill = float(np.mean([s[f"prefill_{kind}"] for s in ss]))

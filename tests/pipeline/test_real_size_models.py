@@ -38,7 +38,7 @@ def test_a_written_directory_loads_every_tensor_and_prompts_with_the_familys_tok
     from pipeline.data.convert import parse_dataset
     from pipeline.data.images import load_sample_images
     from pipeline.tasks import TASKS
-    from rcr.models import build_inputs, load
+    from rcr.models import build_inputs, geometry, load
 
     out = rs.write_model_dir(tmp_path, family, config=tiny(family))
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -64,6 +64,8 @@ def test_a_written_directory_loads_every_tensor_and_prompts_with_the_familys_tok
     image_id = getattr(model.config, "image_token_id", None) or model.config.image_token_index
     assert ids.count(image_id) > 1  # the processor expanded the image placeholder into its visual tokens
     if family == "llava_next":  # [INST] <image>\n... [/INST] after <s>, ids 1 and 32000 as published
+        # Mistral-7B-Instruct-v0.2 publishes "sliding_window": null: no window, every layer global (re-selected)
+        assert geometry(model).sliding_windows == (None,) * model.config.text_config.num_hidden_layers
         assert ids[0] == 1 and image_id == 32000 and tok.convert_ids_to_tokens(ids[1]) == "["
     else:  # <|im_start|> 151644, <|vision_start|> 151652 ... <|vision_end|> 151653
         assert 151644 in ids and ids[ids.index(image_id) - 1] == 151652 and 151653 in ids

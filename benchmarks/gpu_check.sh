@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# GPU check of the decode fast path, for a machine with one CUDA device; under 13 minutes for every step. From the
+# GPU check of the decode fast path, for a machine with one CUDA device; under 18 minutes for every step. From the
 # repository root, in an environment with the project installed (pip install -e ".[pipeline,test]"):
 #
 #     bash benchmarks/gpu_check.sh                  # every step; logs in $OUT (default: a new temporary directory)
 #     bash benchmarks/gpu_check.sh graphs job       # only the named steps
 #
-# Steps (each under its own time limit):
+# Steps (each under its own time limit), in this order:
+#   real_size: benchmarks/real_size.py --device cuda, first: the published models' dimensions (Qwen2-VL-2B and
+#      Qwen3-VL-2B whole, LLaVA-NeXT-Mistral-7B's whole 32-layer decoder) on DetailCaps-resolution images, written
+#      under $OUT/real_size (24 GB of random bf16 weights); visual tokens, prefill, decode ms/token of full, bacon,
+#      rcr, quest, infinigen against the floor, host and device peak memory, reads per step vs the cost model;
 #   layer_eager, model_eager, model_graph: decode_cost.py --device cuda, bf16: layer mode (eager), then model mode
 #      eager and graph-captured (RCRConfig.compile="reduce-overhead": the whole decode step replayed as a CUDA graph);
 #   sync_offload: no host sync in an eager decode step of every registered method, under
@@ -43,6 +47,7 @@ run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, one row per step (only
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))" \
     || { echo "gpu_check: no CUDA device"; exit 2; }
 
+run real_size 300 python -m benchmarks.real_size --device cuda --root "$OUT/real_size"
 run layer_eager 60 python benchmarks/decode_cost.py --device cuda --lengths 1024 16384 --settle 60 --steps 60
 run model_eager 70 python benchmarks/decode_cost.py --device cuda --mode model --models embedded,7b \
     --lengths 1024 16384 --stack-layers 4 --tokens 32 --rounds 3 --settle 8
@@ -169,6 +174,7 @@ echo "================================ gpu_check: $(python -c 'import torch; pri
 printf '%-14s %-16s %5s  %s\n' step result sec figures
 while IFS=$'\t' read -r name result secs; do
     case $name in
+        real_size) figs=$(grep -E "^table row" "$OUT/$name.log" | cut -c12- | tr '\n' ';' | cut -c1-600) ;;
         layer_eager) figs=$(grep -E "^ +[0-9]+ +(full|bacon|rcr|full\(gqa\)) " "$OUT/$name.log" \
                             | awk '{printf "%s %s %sms x%s; ", $1, $2, $3, $4}') ;;
         model_*) figs=$(grep -E "^(embedded|7B)" "$OUT/$name.log" | awk '{printf "%s %s %s tok/s x%s; ", $1$2$3$4, $(NF-2), $(NF-1), $NF}') ;;

@@ -179,6 +179,25 @@ def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dty
     return model, processor
 
 
+def limit_image_tokens(processor, max_tokens: int) -> int | None:
+    """Cap an image's visual tokens at ``max_tokens`` where the processor sizes images dynamically (the Qwen-VL
+    families: ``size['longest_edge']`` is the most pixels an image keeps, one visual token per merged patch of
+    ``(patch_size * merge_size)^2`` pixels; Qwen2-VL's published ``max_pixels`` is 12,845,056, 16,384 tokens). A
+    larger image is downscaled, aspect kept, to at most ``max_tokens * (patch_size * merge_size)^2`` pixels; a
+    smaller published cap is kept. Returns the pixel cap in force, or None for a processor whose visual tokens
+    per image are fixed by its tiling (LLaVA-NeXT's pinpoints, Gemma 3, InternVL, ...): nothing to cap."""
+    ip = getattr(processor, "image_processor", None)
+    size, merge, patch = getattr(ip, "size", None), getattr(ip, "merge_size", None), getattr(ip, "patch_size", None)
+    size = dict(size) if isinstance(size, dict) else vars(size) if size is not None else {}  # a dict or a SizeDict
+    longest = size.get("longest_edge")
+    if not (longest and merge and patch):
+        return None
+    cap = int(max_tokens) * (int(patch) * int(merge)) ** 2
+    if cap < longest:
+        ip.size = {"shortest_edge": min(size.get("shortest_edge") or cap, cap), "longest_edge": cap}
+    return min(cap, int(longest))
+
+
 def build_inputs(processor, prompts: list[str], images: list[list], video: bool = False):
     """Chat-formatted, left-padded processor inputs. ``images[i]`` is sample i's list of PIL images (the frames
     of a video when ``video``)."""

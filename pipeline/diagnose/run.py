@@ -110,7 +110,7 @@ def probes(cfg: JobConfig, rows: list, picks: dict[str, str]):
     from rcr import RCRConfig
     from rcr.methods import RCR, parse_method
     from rcr.methods.rcr import DriftRefresh
-    from rcr.models import geometry, load
+    from rcr.models import geometry, limit_image_tokens, load
 
     samples, groups = [], []
     for r in (r for r in rows if r.key in picks):  # in shard order
@@ -122,6 +122,7 @@ def probes(cfg: JobConfig, rows: list, picks: dict[str, str]):
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
     with quiet.quiet_model_loading():
         model, processor = load(cfg.model_path(), device=device, trust_remote_code=cfg.trust_remote_code)
+    limit_image_tokens(processor, cfg.max_image_tokens)  # the job's cap (--max-image-tokens), so the same prompts
     model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path
     rcfg = RCRConfig(**cfg.rcr)
     every = cfg.progress_every_s

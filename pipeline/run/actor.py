@@ -119,6 +119,7 @@ class RcrEngine:
         with quiet_model_loading():  # the driver's progress line says the actors are loading
             self.model, self.processor = rcr.models.load(cfg.model_path(), device=device, dtype=torch_dtype,
                                                          trust_remote_code=cfg.trust_remote_code)
+        rcr.models.limit_image_tokens(self.processor, cfg.max_image_tokens)  # Qwen: --max-image-tokens
         self.rcr_config = rcr.RCRConfig(**cfg.rcr)
         self.labels = list(cfg.methods)
         self.methods: dict = {}  # label -> its method, built once (``method``): prepare() may calibrate it

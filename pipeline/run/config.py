@@ -35,7 +35,8 @@ MAX_NEW_TOKENS_LIMIT = 8192
 
 # Fields whose value changes what a row contains. They make the config hash; a rerun resumes only rows
 # written under the same hash.
-HASHED_FIELDS = ("task", "model", "max_new_tokens", "dtype", "rcr", "max_image_pixels", "max_frames", "engine")
+HASHED_FIELDS = ("task", "model", "max_new_tokens", "dtype", "rcr", "max_image_pixels", "max_image_tokens",
+                 "max_frames", "engine")
 
 WHAT, WHERE, RESOURCES, FAULTS = "what to run", "where results go", "resources", "faults and input limits"
 
@@ -117,6 +118,12 @@ class JobConfig:
     max_task_retries: int = _f(-1, "retries of a batch whose actor died, -1 unlimited", FAULTS, kind=int, lo=-1)
     max_image_pixels: int = _f(50_000_000, "larger images become error rows (decompression-bomb guard)", FAULTS,
                                kind=int, lo=1)
+    # Qwen-family processors size an image dynamically: Qwen2-VL's published max_pixels (12,845,056) lets one image
+    # take 16,384 visual tokens, and its vision tower attends over 4x as many patches. 1280 is the cap Qwen's model
+    # cards suggest (max_pixels=1280*28*28): DetailCaps' 640x480 to 1024x768 images keep their resolution
+    # (<= 1,003 tokens), a larger one is downscaled (rcr.models.limit_image_tokens; docs/models.md)
+    max_image_tokens: int = _f(1280, "Qwen-family models: an image's visual tokens at most; a larger image is "
+                               "downscaled, aspect kept", FAULTS, kind=int, lo=1)
     max_image_bytes: int = _f(64 * 2**20, "larger encoded images become error rows", kind=int, lo=1)
     max_frames: int = _f(64, "videos with more frames become error rows", kind=int, lo=1)
     trust_remote_code: bool = _f(False, "allow a hub model's own code", FAULTS, shown="off",

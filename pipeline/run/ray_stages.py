@@ -99,6 +99,10 @@ def build_dataset(ray, cfg: JobConfig, paths: list[str], plan: Plan, res: placem
     # with no way to ask for less: with the actors on every node (3 nodes of 1 CPU) no node has a whole CPU
     # free and the job waits forever. V1 lists them on the driver and reads with the request given here.
     ctx.use_datasource_v2 = False
+    # A model batch may take longer than Ray Data lets a dataset go without output (30 min by default): one batch of
+    # every method at a published model's size on a CPU does. The job watches its own liveness (progress lines,
+    # the node watch, actor restarts), so Ray Data's no-progress timeout is off (tests/integration/test_slow_batch.py)
+    ctx.execution_no_progress_timeout_s = -1
     quiet.quiet_ray_data(ctx)  # the job prints its own progress line (_Progress)
     # one read task and block per file, which Ray Data fuses with the select and the repartition below (that one
     # makes the batches); V1 would otherwise split each file into dozens of blocks first (72 per embedded shard)

@@ -241,3 +241,46 @@ def test_the_engine_logs_the_reselected_layers_once_per_model(monkeypatch, capsy
         engine.log_reselected(n_input)
     assert capsys.readouterr().out.splitlines() == ["[rcr-job] llava-next-mistral: re-selected layers: 3 of 3",
                                                     "[rcr-job] llava-next-mistral: re-selected layers: 0 of 3"]
+
+
+def test_the_engine_caps_a_qwen_images_visual_tokens(monkeypatch):
+    """Qwen2-VL's published processor keeps up to 12,845,056 pixels (16,384 visual tokens, 4x as many vision-tower
+    patches): one 2000 x 1500 photo would be a 3,800-token prefix. The job caps an image at --max-image-tokens
+    (the Qwen model cards' 1280 by default); a smaller image keeps its resolution."""
+    import copy
+    from types import SimpleNamespace
+
+    import numpy as np
+    from PIL import Image
+
+    import rcr.models
+    from pipeline.run import actor
+    from tests import tiny_models
+
+    model, proc = tiny_models.qwen2_vl()
+    proc = copy.deepcopy(proc)
+    proc.image_processor.size = {"shortest_edge": 3136, "longest_edge": 12845056}  # Qwen2-VL-*-Instruct's
+    monkeypatch.setattr(rcr.models, "load", lambda *a, **k: (model, proc))
+
+    def tokens(engine, w, h):
+        image = Image.fromarray(np.zeros((h, w, 3), np.uint8))
+        ids = rcr.models.build_inputs(engine.processor, ["describe"], [[image]])["input_ids"]
+        return int((ids == model.config.image_token_id).sum())
+
+    assert tokens(SimpleNamespace(processor=proc), 2000, 1500) > 3000  # the published processor alone
+    engine = actor.RcrEngine(JobConfig(model="qwen2-vl"), "cpu", "float32")
+    assert rcr.models.limit_image_tokens(proc, 10**6) == 1280 * 28 * 28  # the default cap in force, in pixels
+    assert tokens(engine, 1024, 768) == 37 * 27  # DetailCaps' largest typical size: untouched (smart_resize to 28s)
+    assert tokens(engine, 2000, 1500) <= 1280
+    small = actor.RcrEngine(JobConfig(model="qwen2-vl", max_image_tokens=64), "cpu", "float32")
+    assert tokens(small, 2000, 1500) <= 64 and tokens(small, 1024, 768) <= 64
+
+
+def test_the_image_token_cap_leaves_fixed_tilings_alone():
+    """LLaVA-NeXT's visual tokens per image are fixed by its pinpoints: there is nothing to cap."""
+    import rcr.models
+    from tests import tiny_models
+
+    _, proc = tiny_models.llava_next()
+    before = dict(proc.image_processor.size)
+    assert rcr.models.limit_image_tokens(proc, 4) is None and dict(proc.image_processor.size) == before

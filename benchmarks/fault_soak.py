@@ -175,7 +175,8 @@ class Soak:
 
         rt = json.dumps({"env_vars": {"RCR_RUNS_DIR": str(self.runs)}})
         out, store, timeline = self._fault_free("reference-submit", lambda a: (
-            [sys.executable, "infra/submit.py", "--address", c.env()["RAY_ADDRESS"], "--runtime-env-json", rt, "--", "python", "jobs/detailcaps.py", *a], c.env()),
+            [sys.executable, "infra/submit.py", "--address", c.env()["RAY_ADDRESS"], "--runtime-env-json", rt, "--",
+             "python", "jobs/detailcaps.py", *a], c.env()),
             server=True)
         self.reference.timelines["submit"] = timeline
         bad = checks.check_rows(out, self.reference.rows) + checks.check_store(store, self.reference.store,

@@ -175,7 +175,8 @@ class Trial:
         if self.draw.mode == "submit":
             c = self.soak.local_cluster()
             rt = json.dumps({"env_vars": {"RCR_RUNS_DIR": str(self.soak.runs)}})
-            return [PY, "infra/submit.py", "--address", c.env()["RAY_ADDRESS"], "--runtime-env-json", rt, "--", "python", "jobs/detailcaps.py",
+            return [PY, "infra/submit.py", "--address", c.env()["RAY_ADDRESS"], "--runtime-env-json", rt, "--",
+                    "python", "jobs/detailcaps.py",
                     *args], c.env()
         if self.draw.mode == "2nodes":
             c = self.soak.two_nodes()

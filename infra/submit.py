@@ -52,13 +52,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
 async def stream(client, submission_id: str) -> None:
     skip = preamble(submission_id)
     head = True  # the preamble lines come first; everything after them is the job's
-    async for chunk in client.tail_job_logs(submission_id):
-        for line in chunk.splitlines(keepends=True):
-            if head and skip.match(line.rstrip("\n")):
-                continue
-            head = False
-            sys.stdout.write(line)
-        sys.stdout.flush()
+    try:
+        async for chunk in client.tail_job_logs(submission_id):
+            for line in chunk.splitlines(keepends=True):
+                if head and skip.match(line.rstrip("\n")):
+                    continue
+                head = False
+                sys.stdout.write(line)
+            sys.stdout.flush()
+    except RuntimeError as e:  # Ray's log stream says the job server went away (e.g. the cluster was stopped)
+        if "WebSocket connection closed" not in str(e):
+            raise
+        raise ConnectionError(str(e)) from e
 
 
 def reason(message: str | None) -> str:

@@ -31,6 +31,32 @@ def test_a_job_server_that_does_not_answer_is_one_line():
     assert "rerun the same command" in lines[0]
 
 
+def test_a_job_server_that_goes_away_mid_job_is_one_line(monkeypatch, capsys):
+    """The fault soak's `ray stop` while a submitted job started: Ray's log stream ends with RuntimeError('WebSocket
+    connection closed unexpectedly ...'); that is the job server lost, in one line, not a traceback."""
+    import ray.job_submission
+
+    class Client:  # the job server as the stream sees it: the job's first line, then the socket closes
+        def __init__(self, address):
+            pass
+
+        def submit_job(self, **kw):
+            return "raysubmit_x"
+
+        async def tail_job_logs(self, sid):
+            yield "[rcr-job] job detailcaps-embedded: ...\n"
+            raise RuntimeError("WebSocket connection closed unexpectedly with close code 1006")
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    address = "http://127.0.0.1:1"
+    assert _submit_module().main(["--address", address, "--", "python", "jobs/detailcaps.py"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "[rcr-job] job detailcaps-embedded: ...\n"
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"[submit] lost the job server at {address} (ConnectionError: "
+                                                   "WebSocket connection closed"), err
+
+
 def test_rays_reason_is_its_first_line_without_the_log_it_appends():
     reason = _submit_module().reason
     message = ("Job entrypoint command failed with exit code 130, last available logs (truncated to 20,000 chars):\n"

@@ -150,11 +150,13 @@ def stream(cfg: JobConfig, paths: list[str], plan: Plan, writer: PartWriter,
     spread = f" spread over the nodes ({loss})" if len(nodes) > 1 else ""
     say(f"ray: {placement.describe(nodes)}; {cfg.num_actors} actor(s) x (num_gpus={res.num_gpus:g}, "
         f"num_cpus={res.num_cpus:g}, torch threads {res.torch_threads}){spread}; batch size {cfg.batch_size}")
-    ds = build_dataset(ray, cfg, paths, plan, res, calibration_payload)
     watch = placement.watch_nodes(ray, nodes, res, cfg.num_actors, say, ray.get_runtime_context().gcs_address,
                                   written=lambda: len(writer.written))
     try:
         with writer.progress.heartbeat(), watch:
+            # built under the watch: Ray Data's read of the inputs waits on the cluster too, and a head lost
+            # there (a private Ray stopped while the actors load) must be said before Ray ends the driver
+            ds = build_dataset(ray, cfg, paths, plan, res, calibration_payload)
             # prefetch_batches=0: with Ray Data's default of 1, the iterator asks for block k+1 before it yields
             # block k, so every finished batch waited on the next one (an 8-sample job showed 0 rows until the
             # end); the driver only writes blocks, so there is nothing for a prefetch to overlap

@@ -281,3 +281,35 @@ def test_every_bad_input_kind_through_the_driver(tmp_path):
             assert rows["error"].isna().all() and (rows["n_steps"] >= 1).all(), (sid, rows["error"].tolist())
         else:
             assert rows["error"].str.contains(err, regex=False).all(), (sid, rows["error"].tolist())
+
+
+def test_the_head_is_watched_while_the_inputs_are_read(job, monkeypatch):
+    """The soak's `ray stop` of a plain job's private Ray while its actors loaded: Ray Data's read of the inputs
+    (in build_dataset) waited on the lost GCS, and Ray ended the driver 60 s later with no line of ours, because the
+    head's watch only started after the read. The watch (and its one line) must cover the read."""
+    import contextlib
+
+    from pipeline.run import placement
+
+    inline_driver.install(monkeypatch.setattr)
+    watching = []
+
+    @contextlib.contextmanager
+    def watch_nodes(*a, **k):
+        watching.append(True)
+        try:
+            yield
+        finally:
+            watching.append(False)
+
+    seen = []
+    init = inline_driver.InlineDataset.__init__
+
+    def build(self, *a, **k):  # what build_dataset makes: Ray Data's read starts here
+        seen.append(watching[-1] if watching else False)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(placement, "watch_nodes", watch_nodes)
+    monkeypatch.setattr(inline_driver.InlineDataset, "__init__", build)
+    assert driver.main("detailcaps", job["argv"]("--no-summary")) == 0
+    assert seen == [True] and watching == [True, False]

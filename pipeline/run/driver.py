@@ -259,6 +259,13 @@ def main(task: str | None = None, argv: list[str] | None = None) -> int:
             say(interrupt.line(None, None, cfg.output_dir if cfg else None))
             return e.exit_status
         # after the job had finished and said so (while the stderr filter drained): its status stands
+    status = _exit_status(result)
+    if argv is None:  # run as a command: a signal during Ray's teardown, after the job said how it ended, is one
+        interrupt.closing(status)  # line (a caller's own process keeps its own handlers)
+    return status
+
+
+def _exit_status(result: dict[str, Any]) -> int:
     if result["status"] == "interrupted":
         return 128 + result["signal"]
     if result["status"] != "ok":

@@ -109,6 +109,22 @@ def while_starting() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def closing(status: int) -> None:
+    """After the job has ended and said so (its rows and runs are in place, ``status`` its exit status): a SIGINT or
+    SIGTERM while Ray and the interpreter shut down prints one line and ends the process at once with ``128 +
+    signal``, instead of dying silently by the signal (a terminal's Ctrl-C reaches Ray's teardown too)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        print(f"[rcr-job] interrupted while shutting down, after the job ended (its exit status {status}): nothing is "
+              "lost", flush=True)
+        os._exit(128 + signum)
+
+    for s in SIGNALS:
+        signal.signal(s, handler)
+
+
 def reclaim() -> None:
     """Put :func:`interruptible`'s handlers back at the C level. ``ray.init`` installs the core worker's failure
     signal handler, which for SIGTERM prints a stack trace and ends the process (``*** SIGTERM received ...``) before

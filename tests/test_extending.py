@@ -4,6 +4,7 @@ definition plus one registration, go through the method contract suite and a one
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import re
 import subprocess
@@ -138,6 +139,7 @@ def test_an_entry_point_that_fails_names_itself(tmp_path, monkeypatch):
         rcr.methods.load_entry_points(group)
     (tmp_path / "rcr_toy_plugin" / "registers.py").write_text(
         "from rcr.methods import register\nfrom rcr_toy_plugin.methods import Newest\nregister(Newest)\n")
+    importlib.invalidate_caches()  # the package's directory was listed when it was first imported, maybe this second
     info.write_text(f"[{group}]\nby_import = rcr_toy_plugin.registers\n")
     monkeypatch.setitem(rcr.METHODS, "toy_plugin", None)  # removed again after the test
     del rcr.METHODS["toy_plugin"]

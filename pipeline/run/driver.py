@@ -260,8 +260,8 @@ def main(task: str | None = None, argv: list[str] | None = None) -> int:
             return e.exit_status
         # after the job had finished and said so (while the stderr filter drained): its status stands
     status = _exit_status(result)
-    if argv is None:  # run as a command: a signal during Ray's teardown, after the job said how it ended, is one
-        interrupt.closing(status)  # line (a caller's own process keeps its own handlers)
+    if argv is None:  # run as a command: a signal during Ray's teardown, after the job said how it ended, changes
+        interrupt.closing()  # nothing (a caller's own process keeps its signals)
     return status
 
 

@@ -109,20 +109,15 @@ def while_starting() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def closing(status: int) -> None:
-    """After the job has ended and said so (its rows and runs are in place, ``status`` its exit status): a SIGINT or
-    SIGTERM while Ray and the interpreter shut down prints one line and ends the process at once with ``128 +
-    signal``, instead of dying silently by the signal (a terminal's Ctrl-C reaches Ray's teardown too)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def handler(signum, frame):
-        print(f"[rcr-job] interrupted while shutting down, after the job ended (its exit status {status}): nothing is "
-              "lost", flush=True)
-        os._exit(128 + signum)
-
-    for s in SIGNALS:
-        signal.signal(s, handler)
+def closing() -> None:
+    """After the job has ended and said so (its rows and runs are in place): SIGINT and SIGTERM are held back for the
+    rest of the process, Ray's teardown and the interpreter's, which end it with the job's own exit status. A terminal's
+    Ctrl-C reaches that teardown too, and there no handler of ours runs (the interpreter restores the default ones as
+    it finalizes): the process died by the signal without a word. SIGKILL (``ray job stop``'s second step) still
+    ends it."""
+    if threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:  # ignored, process-wide (a mask would be the main thread's only); finalizing keeps SIG_IGN
+            signal.signal(s, signal.SIG_IGN)
 
 
 def reclaim() -> None:

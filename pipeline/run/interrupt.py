@@ -69,7 +69,6 @@ def interruptible() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {s: signal.getsignal(s) for s in SIGNALS}
 
     def handler(signum, frame):
         for s in SIGNALS:
@@ -77,13 +76,8 @@ def interruptible() -> Iterator[None]:
         raise Interrupted(signum)
 
     handler.rcr_interrupt = True  # what reclaim() looks for
-    for s in SIGNALS:
-        signal.signal(s, handler)
-    try:
+    with _handled_by(handler):
         yield
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h)
 
 
 @contextlib.contextmanager
@@ -94,12 +88,19 @@ def while_starting() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {s: signal.getsignal(s) for s in SIGNALS}
 
     def handler(signum, frame):
         print(f"[rcr-job] {line(None, None, None)}", flush=True)
         os._exit(128 + signum)
 
+    with _handled_by(handler):
+        yield
+
+
+@contextlib.contextmanager
+def _handled_by(handler) -> Iterator[None]:
+    """SIGINT and SIGTERM go to ``handler`` inside the block; the handlers before it are put back after."""
+    before = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
         signal.signal(s, handler)
     try:

@@ -81,6 +81,15 @@ ENTRY_POINTS = ("[rcr.methods]\ntoy_plugin = rcr_toy_plugin.methods:Newest\n\n"
                 "[rcr.tasks]\ntoy_plugin_task = rcr_toy_plugin.tasks:TOY_PLUGIN_TASK\n")
 
 
+def forget_plugin(monkeypatch) -> None:
+    """Drop ``rcr_toy_plugin`` and its modules from ``sys.modules`` for one test: another test may have imported the
+    package from its own ``site``, and Python would look for a new module only under that package's path."""
+    import sys
+
+    for name in [n for n in sys.modules if n == "rcr_toy_plugin" or n.startswith("rcr_toy_plugin.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
 def install_plugin(site, entry_points: str | None = None) -> None:
     """Install the package ``rcr_toy_plugin`` into ``site`` (a directory to put on ``sys.path``/``PYTHONPATH``), as
     pip would: its modules and a ``.dist-info`` whose ``entry_points.txt`` declares its method and its task in the

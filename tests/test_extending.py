@@ -19,7 +19,7 @@ from pipeline.run.cli import job_config
 from pipeline.tasks import TASKS
 from rcr.methods import knob
 from tests import inline_driver
-from tests.extending_toys import TOY_TASK, Recent, install_plugin
+from tests.extending_toys import TOY_TASK, Recent, forget_plugin, install_plugin
 from tests.pipeline_helpers import REPO, synthetic_records, write_shard
 
 CONTRACTS = "tests/rcr/test_method_contracts.py"
@@ -128,6 +128,7 @@ def test_an_entry_point_that_fails_names_itself(tmp_path, monkeypatch):
     package; one that names a module registers what the module registers."""
     group = "rcr.test_methods"
     install_plugin(tmp_path, f"[{group}]\nbroken = rcr_toy_plugin.methods:Missing\n")
+    forget_plugin(monkeypatch)  # this test's package, not one another test imported from its own directory
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ImportError, match=r"entry point broken = rcr_toy_plugin.methods:Missing \(group "
                                           r"rcr.test_methods, package rcr-toy-plugin\) does not load: AttributeError"):

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.data.shards import write_shards
 from pipeline.tasks import TASKS
-from tests.extending_toys import install_plugin
+from tests.extending_toys import forget_plugin, install_plugin
 from tests.pipeline_helpers import PY, REPO, synthetic_records
 from tests.ray_head import free_port
 
@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 def test_a_packages_method_and_task_run_in_a_job(tmp_path, monkeypatch):
     install_plugin(tmp_path / "site")
+    forget_plugin(monkeypatch)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))  # this process writes the shards: it knows the task too
     from rcr_toy_plugin.tasks import TOY_PLUGIN_TASK
 

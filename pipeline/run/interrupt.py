@@ -75,7 +75,6 @@ def interruptible() -> Iterator[None]:
             signal.signal(s, signal.SIG_IGN)
         raise Interrupted(signum)
 
-    handler.rcr_interrupt = True  # what reclaim() looks for
     with _handled_by(handler):
         yield
 
@@ -100,14 +99,10 @@ def while_starting() -> Iterator[None]:
 @contextlib.contextmanager
 def _handled_by(handler) -> Iterator[None]:
     """SIGINT and SIGTERM go to ``handler`` inside the block; the handlers before it are put back after."""
-    before = {s: signal.getsignal(s) for s in SIGNALS}
-    for s in SIGNALS:
-        signal.signal(s, handler)
-    try:
+    with kept():
+        for s in SIGNALS:
+            signal.signal(s, handler)
         yield
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h)
 
 
 def closing() -> None:
@@ -121,17 +116,23 @@ def closing() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
-def reclaim() -> None:
-    """Put :func:`interruptible`'s handlers back at the C level. ``ray.init`` installs the core worker's failure
-    signal handler, which for SIGTERM prints a stack trace and ends the process (``*** SIGTERM received ...``) before
-    Python's handler runs; Python still reports its own handler, so this re-installs it. A no-op outside
-    :func:`interruptible` or the main thread."""
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """Around ``ray.init``: the SIGINT and SIGTERM handlers before it are put back after it, at the Python and the C
+    level. ``ray.init`` replaces Python's SIGTERM handler with its own (``sys.exit``) and then the core worker installs
+    its failure signal handler over it at the C level, which for SIGTERM prints a stack trace (``*** SIGTERM received
+    ...``) and ends the process before any Python handler runs: a job stopped by ``ray job stop`` would die without its
+    one line. Outside the main thread it does nothing."""
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    for s in SIGNALS:
-        h = signal.getsignal(s)
-        if getattr(h, "rcr_interrupt", False):
-            signal.signal(s, h)
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            if h is not None:  # None: a handler not installed from Python, which Python cannot put back
+                signal.signal(s, h)
 
 
 def line(done: int | None, total: int | None, output_dir: str | None, during: str | None = None) -> str:

@@ -42,8 +42,8 @@ def init_ray(cfg: JobConfig):
 
     if ray.is_initialized():
         return ray
-    _init(ray, cfg)
-    interrupt.reclaim()  # ray.init's own SIGTERM handler would end the driver before it says what it left
+    with interrupt.kept():  # ray.init's own SIGTERM handlers would end the driver before it says what it left
+        _init(ray, cfg)
     return ray
 
 

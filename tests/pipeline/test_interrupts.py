@@ -198,3 +198,20 @@ def test_a_signal_after_the_job_ended_changes_nothing(job):
     assert "main returned 0" in lines, r.stdout + r.stderr
     assert r.returncode == 0 and lines[-1] == "after the signals", (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "Traceback" not in r.stderr
+
+
+def test_handlers_that_ray_init_replaces_are_put_back():
+    """``ray.init`` replaces the SIGTERM handler (Python's, then the core worker's at the C level): inside
+    ``interrupt.kept()`` (around ray.init in ``init_ray``) that replacement lasts only as long as the block, and the
+    job's SIGTERM is again the interruption. The job stopped by ``ray job stop``: tests/integration/test_ray_job.py."""
+    import os
+
+    def rays(signum, frame):
+        raise RuntimeError("Ray's handler ran")
+
+    with pytest.raises(interrupt.Interrupted) as e, interrupt.interruptible():
+        with interrupt.kept():
+            signal.signal(signal.SIGTERM, rays)
+            assert signal.getsignal(signal.SIGTERM) is rays
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert e.value.signum == signal.SIGTERM

@@ -126,6 +126,7 @@ def one(args) -> dict:
     from pipeline.data.images import load_sample_images
     from pipeline.schema import telemetry_summary
     from pipeline.tasks import TASKS
+    from rcr.config import MAX_IMAGE_TOKENS
     from rcr.methods import parse_method
     from rcr.models import build_inputs, geometry, limit_image_tokens, load
 
@@ -138,7 +139,7 @@ def one(args) -> dict:
     t0 = time.perf_counter()
     model, proc = load(args.model, device=device, dtype=torch.bfloat16)
     load_s = time.perf_counter() - t0
-    limit_image_tokens(proc, 1280)  # the job's --max-image-tokens default (docs/pipeline.md)
+    limit_image_tokens(proc, MAX_IMAGE_TOKENS)  # the job's --max-image-tokens default (docs/pipeline.md)
     geo = geometry(model)
     lm = model.model.language_model  # the text model: embed_tokens, layers, norm
     head = model.get_output_embeddings().weight

@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # RCRConfig.compile: torch.compile modes, then torch's debugging backends
+# Qwen-family processors size an image dynamically: Qwen2-VL's published max_pixels (12,845,056) lets one image take
+# 16,384 visual tokens, and its vision tower attends over 4x as many patches. 1280 is the cap Qwen's model cards
+# suggest (max_pixels=1280*28*28): DetailCaps' 640x480 to 1024x768 images keep their resolution (<= 1,003 tokens), a
+# larger one is downscaled (rcr.models.limit_image_tokens; docs/models.md). The pipeline's --max-image-tokens and the
+# lmms-eval model's max_image_tokens default to it, so both see the same prompts.
+MAX_IMAGE_TOKENS = 1280
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "eager", "aot_eager")
 
 

@@ -33,14 +33,14 @@ import rcr
 import rcr.models
 from pipeline.analysis.text_metrics import rouge_l_f1
 from pipeline.schema import telemetry_summary
-from rcr.config import ConfigError, RCRConfig
+from rcr.config import MAX_IMAGE_TOKENS, ConfigError, RCRConfig
 from rcr.embedded import NAME as EMBEDDED
 from rcr.embedded import resolve as resolve_embedded
 from rcr.methods import METHODS, Method
 from rcr.methods.knobs import knob_fields, split_label, with_knobs
 
 MODEL_ARGS = ("pretrained", "method", "device", "dtype", "batch_size", "max_batch_size", "fidelity", "max_frames",
-              "trust_remote_code")
+              "max_image_tokens", "trust_remote_code")
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(RCRConfig) if f.name != "extra")
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -159,7 +159,8 @@ class RCRModel(lmms):
 
     def __init__(self, pretrained: str = EMBEDDED, method: str = "rcr", device: str = "auto", dtype: str = "auto",
                  batch_size: int | str = 1, max_batch_size: int | None = None, fidelity: bool = False,
-                 max_frames: int = 32, trust_remote_code: bool = False, **fields):
+                 max_frames: int = 32, max_image_tokens: int = MAX_IMAGE_TOKENS, trust_remote_code: bool = False,
+                 **fields):
         super().__init__()
         self.method_ = build_method(method, pretrained, fields)  # every check before the model loads
         self.config, self.method = self.method_.config, self.method_.label
@@ -170,8 +171,9 @@ class RCRModel(lmms):
         for name, value in (("fidelity", fidelity), ("trust_remote_code", trust_remote_code)):
             if not isinstance(value, bool):
                 raise ConfigError(f"model arg {name}", f"must be true or false, got {value!r}")
-        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
-            raise ConfigError("model arg max_frames", f"must be an integer >= 1, got {max_frames!r}")
+        for name, value in (("max_frames", max_frames), ("max_image_tokens", max_image_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model arg {name}", f"must be an integer >= 1, got {value!r}")
         self.fidelity, self.max_frames = fidelity, max_frames
         if dtype not in DTYPES:
             raise ConfigError("model arg dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -181,6 +183,7 @@ class RCRModel(lmms):
             raise ConfigError("model arg device", f"not a torch device ({e}), got {device!r}") from None
         self.model, self.processor = rcr.models.load(pretrained, device=self._device, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
+        rcr.models.limit_image_tokens(self.processor, max_image_tokens)  # the pipeline's cap (--max-image-tokens)
         self.method_.prepare(self.model)  # the calibration shipped with the checkpoint, where one does
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.takes_video = getattr(self.processor, "video_processor", None) is not None

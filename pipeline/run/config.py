@@ -26,7 +26,7 @@ from pipeline.paths import default_runs_root, default_tracking_uri  # noqa: F401
 from pipeline.run import checks
 from pipeline.run.checks import EMBEDDED, available_methods, model_slug  # noqa: F401 - API
 from pipeline.tasks import TASKS
-from rcr.config import ConfigError
+from rcr.config import MAX_IMAGE_TOKENS, ConfigError
 from rcr.embedded import is_embedded
 from rcr.embedded import model_dir as embedded_model_dir
 
@@ -118,12 +118,9 @@ class JobConfig:
     max_task_retries: int = _f(-1, "retries of a batch whose actor died, -1 unlimited", FAULTS, kind=int, lo=-1)
     max_image_pixels: int = _f(50_000_000, "larger images become error rows (decompression-bomb guard)", FAULTS,
                                kind=int, lo=1)
-    # Qwen-family processors size an image dynamically: Qwen2-VL's published max_pixels (12,845,056) lets one image
-    # take 16,384 visual tokens, and its vision tower attends over 4x as many patches. 1280 is the cap Qwen's model
-    # cards suggest (max_pixels=1280*28*28): DetailCaps' 640x480 to 1024x768 images keep their resolution
-    # (<= 1,003 tokens), a larger one is downscaled (rcr.models.limit_image_tokens; docs/models.md)
-    max_image_tokens: int = _f(1280, "Qwen-family models: an image's visual tokens at most; a larger image is "
-                               "downscaled, aspect kept", FAULTS, kind=int, lo=1)
+    max_image_tokens: int = _f(MAX_IMAGE_TOKENS, "Qwen-family models: an image's visual tokens at most; a larger "
+                               "image is downscaled, aspect kept (rcr.config.MAX_IMAGE_TOKENS)", FAULTS, kind=int,
+                               lo=1)
     max_image_bytes: int = _f(64 * 2**20, "larger encoded images become error rows", kind=int, lo=1)
     max_frames: int = _f(64, "videos with more frames become error rows", kind=int, lo=1)
     trust_remote_code: bool = _f(False, "allow a hub model's own code", FAULTS, shown="off",

@@ -178,6 +178,7 @@ def test_padded_batch_matches_batch_one(task_dir, rcr_batch1):
     ("method=rcr,batch_size=auto", "batch_size"),
     ("method=rcr,dtype=float8", "dtype"),
     ("method=rcr,device=gpu0", "device"),
+    ("method=rcr,max_image_tokens=0", "max_image_tokens"),
     ("method=infinigen,pretrained=Qwen/Qwen2-VL-2B-Instruct", "infinigen.calibration"),
 ])
 def test_bad_model_args_fail_in_one_line(args, named):
@@ -270,3 +271,32 @@ def test_the_drift_test_bed_loads_by_name_with_its_own_calibration():
     m = get_model("rcr").create_from_arg_string("pretrained=embedded-drift,method=infinigen")
     assert m.model.config._name_or_path == str(model_dir("embedded-drift"))
     assert m.method_.calibration_samples(str(model_dir("embedded-drift"))) == 0
+
+
+def test_a_qwen_images_visual_tokens_are_capped_as_the_pipeline_caps_them(monkeypatch):
+    """Qwen2-VL's published processor lets one image take thousands of visual tokens; the lmms-eval model caps them
+    at ``max_image_tokens``, by default the pipeline's ``--max-image-tokens``, so both give the model the same
+    prompt for the same image."""
+    import copy
+
+    from pipeline.run import actor
+    from pipeline.run.config import JobConfig
+    from tests import tiny_models
+
+    model, proc = tiny_models.qwen2_vl()
+    published = copy.deepcopy(proc)
+    published.image_processor.size = {"shortest_edge": 3136, "longest_edge": 12845056}  # Qwen2-VL-*-Instruct's
+    monkeypatch.setattr(rcr.models, "load", lambda *a, **k: (model, copy.deepcopy(published)))
+    image = Image.new("RGB", (2000, 1500))
+
+    def tokens(processor) -> int:
+        ids = rcr.models.build_inputs(processor, ["describe"], [[image]])["input_ids"]
+        return int((ids == model.config.image_token_id).sum())
+
+    assert tokens(published) > 3000
+    engine = actor.RcrEngine(JobConfig(model="qwen2-vl"), "cpu", "float32")
+    lm = get_model("rcr").create_from_arg_string("pretrained=qwen2-vl,method=full", {"device": "cpu"})
+    assert tokens(lm.processor) == tokens(engine.processor) <= JobConfig().max_image_tokens
+    small = get_model("rcr").create_from_arg_string("pretrained=qwen2-vl,method=full,max_image_tokens=64",
+                                                    {"device": "cpu"})
+    assert tokens(small.processor) <= 64

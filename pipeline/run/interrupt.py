@@ -12,12 +12,15 @@ removed by ``rcr.fileio.atomic_path`` on any exception, and a part is renamed in
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_LOGGING_DIR = os.path.dirname(logging.__file__)
 
 
 class Interrupted(BaseException):  # noqa: N818 - a BaseException like KeyboardInterrupt: `except Exception` lets it by
@@ -65,18 +68,92 @@ def signal_of(e: BaseException) -> int:
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
     """Inside: the first SIGINT or SIGTERM raises :class:`Interrupted`; later ones are ignored until the block ends.
-    Outside the main thread (where Python cannot install handlers) it does nothing."""
+    Outside the main thread (where Python cannot install handlers) it does nothing.
+
+    Python runs a signal's handler in the main thread between two bytecodes, wherever it is; two places there must
+    not take the exception. Inside the ``logging`` package (a logging handler that goes away calls logging from a
+    weakref callback, between taking and releasing logging's module lock): raised there, the exception leaves the
+    lock taken, and the next thread that logs (Ray Data's) waits for ever. Where Python cannot raise (a weakref
+    callback, ``__del__``): it prints "Exception ignored in ..." and drops the exception, and the job would go on
+    with the signals ignored. In both cases the signal is sent to the main thread again (:class:`_Resender`) until
+    it lands outside them."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    resend = _Resender()
 
     def handler(signum, frame):
+        if _in_logging(frame):
+            resend(signum)
+            return
+        resend.done()
         for s in SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         raise Interrupted(signum)
 
-    with _handled_by(handler):
-        yield
+    def dropped(unraisable):
+        if isinstance(unraisable.exc_value, Interrupted) and threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:  # the handler had ignored them, for the clean-up that then never ran
+                signal.signal(s, handler)
+            resend(unraisable.exc_value.signum)
+        else:
+            before(unraisable)
+
+    before, sys.unraisablehook = sys.unraisablehook, dropped
+    try:
+        with _handled_by(handler):
+            yield
+    finally:
+        sys.unraisablehook = before
+        resend.stop()
+
+
+def _in_logging(frame) -> bool:
+    """Whether ``frame`` or a frame that called it runs the ``logging`` package's code."""
+    while frame is not None:
+        if os.path.dirname(frame.f_code.co_filename) == _LOGGING_DIR:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Resender:
+    """Sends a signal to the main thread again, from a thread of its own, until the main thread's handler takes it
+    (:meth:`done`). Not from the handler itself: Python would run the handler again inside it, before it returns.
+    A real signal, so that it also ends a wait the main thread has gone back to."""
+
+    RETRY_S = 0.01  # while the main thread is still inside logging
+
+    def __init__(self):
+        self.pending: list[int] = []
+        self.wake, self.stopped = threading.Event(), threading.Event()
+        self.main = threading.main_thread().ident
+        self.thread: threading.Thread | None = None
+
+    def __call__(self, signum: int) -> None:
+        self.pending[:] = [signum]
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="rcr-interrupt", daemon=True)
+            self.thread.start()
+        self.wake.set()
+
+    def done(self) -> None:
+        self.pending.clear()
+
+    def stop(self) -> None:
+        self.pending.clear()
+        self.stopped.set()
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            self.wake.wait()
+            self.wake.clear()
+            while self.pending and not self.stopped.is_set():
+                signal.pthread_kill(self.main, self.pending[0])
+                self.stopped.wait(self.RETRY_S)
 
 
 @contextlib.contextmanager

@@ -215,3 +215,64 @@ def test_handlers_that_ray_init_replaces_are_put_back():
             assert signal.getsignal(signal.SIGTERM) is rays
         os.kill(os.getpid(), signal.SIGTERM)
     assert e.value.signum == signal.SIGTERM
+
+
+def test_a_signal_inside_logging_is_raised_after_it():
+    """The fault soak's seed 18: SIGINT landed in logging's ``_releaseLock`` (called from a weakref callback when a
+    logging handler went away); the Interrupted was dropped ("Exception ignored in"), logging's lock stayed taken,
+    and Ray Data's thread waited on it for ever. A signal that lands while the main thread runs logging's code is
+    raised once it has left logging, and logging's lock is free. The signal is sent from inside a logging call (a
+    filter), so it lands there: no timing."""
+    import logging
+    import os
+    import threading
+
+    log = logging.getLogger("rcr-test-interrupt-in-logging")
+
+    class SignalInside(logging.Filter):
+        def filter(self, record):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # bytecodes inside logging's call, where Python runs a pending handler
+                pass
+            return False
+
+    sender = SignalInside()
+    log.addFilter(sender)
+    try:
+        with pytest.raises(interrupt.Interrupted) as e, interrupt.interruptible():
+            log.warning("the filter sends SIGINT")
+            threading.Event().wait(60)  # the signal, sent again, ends this wait (60 s: only if it never comes)
+    finally:
+        log.removeFilter(sender)
+    assert e.value.signum == signal.SIGINT
+    where = {os.path.dirname(entry.path) for entry in e.traceback}
+    assert os.path.dirname(logging.__file__) not in where, [str(entry.path) for entry in e.traceback]
+    free = []
+    t = threading.Thread(target=lambda: free.append(logging._lock.acquire(timeout=30) and logging._lock.release()
+                                                    is None))
+    t.start()
+    t.join()
+    assert free == [True]
+
+
+def test_an_interruption_python_drops_is_raised_again():
+    """Where Python cannot raise (``__del__``, a weakref callback) it drops the exception with "Exception ignored in":
+    an Interrupted dropped there is raised again in the main thread, and the job does not go on with the signals
+    ignored. The signal is sent from inside ``__del__``, so it lands there: no timing."""
+    import gc
+    import os
+    import threading
+
+    class SignalInDel:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # bytecodes inside __del__, where Python runs the pending handler
+                pass
+
+    with pytest.raises(interrupt.Interrupted) as e, interrupt.interruptible():
+        doomed = SignalInDel()
+        del doomed
+        gc.collect()
+        threading.Event().wait(60)  # the signal, sent again, ends this wait (60 s: only if it never comes)
+    assert e.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # the handlers before the block are back

@@ -102,10 +102,12 @@ def interruptible() -> Iterator[None]:
     before, sys.unraisablehook = sys.unraisablehook, dropped
     try:
         with _handled_by(handler):
-            yield
+            try:
+                yield
+            finally:
+                resend.stop()  # before the handlers go back: a signal sent again must not meet the ones before
     finally:
         sys.unraisablehook = before
-        resend.stop()
 
 
 def _in_logging(frame) -> bool:

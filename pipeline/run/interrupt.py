@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -76,28 +77,37 @@ def interruptible() -> Iterator[None]:
     lock taken, and the next thread that logs (Ray Data's) waits for ever. Where Python cannot raise (a weakref
     callback, ``__del__``): it prints "Exception ignored in ..." and drops the exception, and the job would go on
     with the signals ignored. In both cases the signal is sent to the main thread again (:class:`_Resender`) until
-    it lands outside them."""
+    it lands outside them. One still being sent again when the block ends is dropped, like one after the job ended
+    (:func:`closing`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     resend = _Resender()
 
     def handler(signum, frame):
-        if _in_logging(frame):
-            resend(signum)
+        if _held_back(frame):
+            resend.ask(signum)
             return
-        resend.done()
+        resend.ask(0)
         for s in SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         raise Interrupted(signum)
 
     def dropped(unraisable):
-        if isinstance(unraisable.exc_value, Interrupted) and threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:  # the handler had ignored them, for the clean-up that then never ran
-                signal.signal(s, handler)
-            resend(unraisable.exc_value.signum)
+        if isinstance(unraisable.exc_value, Interrupted):
+            resend.ask(unraisable.exc_value.signum)
+            for s in SIGNALS:  # the handler had ignored them, for a clean-up that now never runs
+                signal.signal(s, handler)  # one handled before this hook returns is held back, below
         else:
             before(unraisable)
+
+    def _held_back(frame) -> bool:
+        """Whether ``frame``, or a frame that called it, runs the logging package's code or ``dropped``."""
+        while frame is not None:
+            if frame.f_code is dropped.__code__ or os.path.dirname(frame.f_code.co_filename) == _LOGGING_DIR:
+                return True
+            frame = frame.f_back
+        return False
 
     before, sys.unraisablehook = sys.unraisablehook, dropped
     try:
@@ -110,52 +120,46 @@ def interruptible() -> Iterator[None]:
         sys.unraisablehook = before
 
 
-def _in_logging(frame) -> bool:
-    """Whether ``frame`` or a frame that called it runs the ``logging`` package's code."""
-    while frame is not None:
-        if os.path.dirname(frame.f_code.co_filename) == _LOGGING_DIR:
-            return True
-        frame = frame.f_back
-    return False
-
-
 class _Resender:
-    """Sends a signal to the main thread again, from a thread of its own, until the main thread's handler takes it
-    (:meth:`done`). Not from the handler itself: Python would run the handler again inside it, before it returns.
-    A real signal, so that it also ends a wait the main thread has gone back to."""
+    """A thread that sends a signal to the main thread again until the main thread's handler takes it. Not from the
+    handler itself: Python would run the handler again inside it, before it returns. A real signal, so that it also
+    ends a wait the main thread has gone back to. The handler's side (:meth:`ask`) takes no lock and starts nothing:
+    it may run where the main thread holds any lock; it sets the signal and writes a byte to a pipe the thread
+    waits on."""
 
-    RETRY_S = 0.01  # while the main thread is still inside logging
+    RETRY_S = 0.01  # while the main thread is still where the signal is held back
 
     def __init__(self):
-        self.pending: list[int] = []
-        self.wake, self.stopped = threading.Event(), threading.Event()
+        self.signum, self.stopped = 0, False
         self.main = threading.main_thread().ident
-        self.thread: threading.Thread | None = None
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.w, False)
+        self.thread = threading.Thread(target=self._run, name="rcr-interrupt", daemon=True)
+        self.thread.start()
 
-    def __call__(self, signum: int) -> None:
-        self.pending[:] = [signum]
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="rcr-interrupt", daemon=True)
-            self.thread.start()
-        self.wake.set()
-
-    def done(self) -> None:
-        self.pending.clear()
+    def ask(self, signum: int) -> None:
+        """From the main thread's handler: send ``signum`` again until asked for 0."""
+        if self.stopped:
+            return
+        self.signum = signum
+        if signum:
+            with contextlib.suppress(BlockingIOError):  # the pipe is full: the thread is awake anyway
+                os.write(self.w, b"\0")
 
     def stop(self) -> None:
-        self.pending.clear()
-        self.stopped.set()
-        self.wake.set()
-        if self.thread is not None:
-            self.thread.join()
+        self.signum, self.stopped = 0, True
+        with contextlib.suppress(BlockingIOError):
+            os.write(self.w, b"\0")
+        self.thread.join()
+        os.close(self.r)
+        os.close(self.w)
 
     def _run(self) -> None:
-        while not self.stopped.is_set():
-            self.wake.wait()
-            self.wake.clear()
-            while self.pending and not self.stopped.is_set():
-                signal.pthread_kill(self.main, self.pending[0])
-                self.stopped.wait(self.RETRY_S)
+        while not self.stopped:
+            os.read(self.r, 512)
+            while (signum := self.signum) and not self.stopped:
+                signal.pthread_kill(self.main, signum)
+                time.sleep(self.RETRY_S)
 
 
 @contextlib.contextmanager
@@ -178,10 +182,14 @@ def while_starting() -> Iterator[None]:
 @contextlib.contextmanager
 def _handled_by(handler) -> Iterator[None]:
     """SIGINT and SIGTERM go to ``handler`` inside the block; the handlers before it are put back after."""
-    with kept():
-        for s in SIGNALS:
-            signal.signal(s, handler)
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    for s in SIGNALS:
+        signal.signal(s, handler)
+    try:
         yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def closing() -> None:
@@ -201,16 +209,23 @@ def kept() -> Iterator[None]:
     level. ``ray.init`` replaces Python's SIGTERM handler with its own (``sys.exit``) and then the core worker installs
     its failure signal handler over it at the C level, which for SIGTERM prints a stack trace (``*** SIGTERM received
     ...``) and ends the process before any Python handler runs: a job stopped by ``ray job stop`` would die without its
-    one line. Outside the main thread it does nothing."""
+    one line. If the job is interrupted inside, the signals stay ignored instead. Outside the main thread it does
+    nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     before = {s: signal.getsignal(s) for s in SIGNALS}
+    interrupted = False
     try:
         yield
+    except BaseException as e:
+        interrupted = behind(e) is not None
+        raise
     finally:
         for s, h in before.items():
-            if h is not None:  # None: a handler not installed from Python, which Python cannot put back
+            if interrupted:  # the job stops: later signals stay ignored for its clean-up (interruptible)
+                signal.signal(s, signal.SIG_IGN)
+            elif h is not None:  # None: a handler not installed from Python, which Python cannot put back
                 signal.signal(s, h)
 
 

@@ -220,39 +220,58 @@ def test_handlers_that_ray_init_replaces_are_put_back():
 def test_a_signal_inside_logging_is_raised_after_it():
     """The fault soak's seed 18: SIGINT landed in logging's ``_releaseLock`` (called from a weakref callback when a
     logging handler went away); the Interrupted was dropped ("Exception ignored in"), logging's lock stayed taken,
-    and Ray Data's thread waited on it for ever. A signal that lands while the main thread runs logging's code is
-    raised once it has left logging, and logging's lock is free. The signal is sent from inside a logging call (a
-    filter), so it lands there: no timing."""
+    and Ray Data's thread waited on it for ever. A signal that lands while the main thread runs logging's code, here
+    with logging's module lock taken (``getLogger`` making a logger), and again while it is held back, is raised
+    once the main thread has left logging, and logging's lock is free. The signals are sent from inside the
+    logging call, so they land there: no timing."""
     import logging
     import os
     import threading
 
-    log = logging.getLogger("rcr-test-interrupt-in-logging")
+    held = []
 
-    class SignalInside(logging.Filter):
-        def filter(self, record):
-            os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(1000):  # bytecodes inside logging's call, where Python runs a pending handler
-                pass
-            return False
+    class SignalInside(logging.Logger):
+        def __init__(self, name):
+            super().__init__(name)
+            held.append(logging._lock._is_owned())
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                os.kill(os.getpid(), signum)
+                for _ in range(1000):  # bytecodes inside logging's call, where Python runs the pending handler
+                    pass
 
-    sender = SignalInside()
-    log.addFilter(sender)
+    before = logging.getLoggerClass()
+    logging.setLoggerClass(SignalInside)
     try:
         with pytest.raises(interrupt.Interrupted) as e, interrupt.interruptible():
-            log.warning("the filter sends SIGINT")
+            logging.getLogger("rcr-test-interrupt-in-logging")
             threading.Event().wait(60)  # the signal, sent again, ends this wait (60 s: only if it never comes)
     finally:
-        log.removeFilter(sender)
-    assert e.value.signum == signal.SIGINT
+        logging.setLoggerClass(before)
+        logging.Logger.manager.loggerDict.pop("rcr-test-interrupt-in-logging", None)
+    assert held == [True]  # the signals landed with logging's module lock taken
+    assert e.value.signum in (signal.SIGINT, signal.SIGTERM)
     where = {os.path.dirname(entry.path) for entry in e.traceback}
     assert os.path.dirname(logging.__file__) not in where, [str(entry.path) for entry in e.traceback]
-    free = []
-    t = threading.Thread(target=lambda: free.append(logging._lock.acquire(timeout=30) and logging._lock.release()
-                                                    is None))
-    t.start()
-    t.join()
-    assert free == [True]
+    assert logging._lock.acquire(blocking=False)  # free (an RLock: this thread would take it again if it held it)
+    logging._lock.release()
+    assert not logging._lock._is_owned()
+
+
+def test_an_interruption_inside_ray_init_keeps_the_signals_ignored():
+    """``kept()`` puts back the handlers ``ray.init`` replaced; when the job is interrupted inside it, the signals stay
+    ignored instead, so a second Ctrl-C does not cut the clean-up (the one line, the run record) short."""
+    import os
+
+    with interrupt.interruptible():
+        with pytest.raises(interrupt.Interrupted), interrupt.kept():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)  # ignored: nothing raised
+        for _ in range(1000):
+            pass
 
 
 def test_an_interruption_python_drops_is_raised_again():

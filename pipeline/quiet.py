@@ -94,24 +94,36 @@ def actor_fault_tolerance():
 
 # The filter process: copies its stdin to its stdout line by line, minus the lines holding one of its arguments.
 # Its own session and ignored SIGINT/SIGTERM keep it alive to the end of its input when the job is interrupted or
-# stopped (`ray job stop` signals the driver's process group), so the job's last words still come through.
+# stopped (`ray job stop` signals the driver's process group), so the job's last words still come through. With
+# RCR_UNSAID set, an input that ends without SAID (written when the block ends, however it ends in Python) ends
+# with that line: the process died where Python could say nothing.
+_SAID = b"\x00rcr-said\n"  # as in _FILTER
 _FILTER = """
-import signal, sys
+import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 drop = [a.encode() for a in sys.argv[1:]]
-out = sys.stdout.buffer
+said, unsaid = b"\\x00rcr-said\\n", os.environ.get("RCR_UNSAID")
+out, ended = sys.stdout.buffer, True
 for line in iter(sys.stdin.buffer.readline, b""):
-    if not any(d in line for d in drop):
+    if said in line:  # maybe after another writer's unfinished line, which it ends
+        unsaid, line = None, line.replace(said, b"\\n" if line != said else b"")
+    if line and not any(d in line for d in drop):
         out.write(line)
         out.flush()
+        ended = line.endswith(b"\\n")
+if unsaid:
+    out.write((b"" if ended else b"\\n") + unsaid.encode() + b"\\n")
+    out.flush()
 """
 
 
 @contextlib.contextmanager
-def stderr_without(*notices: str, drain_s: float = 10.0):
+def stderr_without(*notices: str, drain_s: float = 10.0, unsaid: str | None = None):
     """Inside: this process's stderr (file descriptor 2, also what Ray's C++ core worker writes to) goes through a
     filter process that drops each line containing one of ``notices`` and passes every other line on at once.
+    ``unsaid``: the line the filter writes when this process dies inside the block where Python cannot speak
+    (SIGKILL, the kernel's out-of-memory killer, Ray's core worker ending it when its Ray goes away).
 
     The filter outlives a crash of this process (it ends at the end of its input), so an error written just
     before a crash still comes out. On exit, stderr is restored and the filter is given ``drain_s`` seconds to
@@ -120,8 +132,9 @@ def stderr_without(*notices: str, drain_s: float = 10.0):
     sys.stderr.flush()
     saved = os.dup(2)
     try:
+        env = dict(os.environ, **({"RCR_UNSAID": unsaid} if unsaid else {}))
         proc = subprocess.Popen([sys.executable, "-c", _FILTER, *notices], stdin=subprocess.PIPE, stdout=saved,
-                                stderr=saved, start_new_session=True)
+                                stderr=saved, start_new_session=True, env=env)
     except OSError:
         os.close(saved)
         yield
@@ -131,6 +144,7 @@ def stderr_without(*notices: str, drain_s: float = 10.0):
     try:
         yield
     finally:
+        os.write(2, _SAID)  # Python is here: whatever happened, it says so itself
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)

@@ -26,7 +26,7 @@ ONE_LINERS = re.compile(
     r"\[rcr-job\] interrupted|\[rcr-job\] writing the output failed|\[rcr-job\] the job stopped:"
     r"|\[rcr-job\] MLflow logging failed|\[rcr-job\] the Ray pipeline failed|\[rcr-job\] the Ray head .* unreachable"
     r"|\[rcr-job\] could not start or join Ray|\[submit\] job \S+ (failed|stopped)|\[submit\] lost"
-    r"|\[rcr-job\] config error")
+    r"|\[rcr-job\] config error|\[rcr-job\] the job's driver .* ended without a word")
 
 
 def rows(out: Path) -> tuple[list[tuple[str, str]], dict[tuple[str, str], tuple]]:

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -249,7 +250,7 @@ def main(task: str | None = None, argv: list[str] | None = None) -> int:
     try:
         with interrupt.interruptible():
             cfg = job_config(argv, task=task)
-            with quiet.stderr_without(quiet.RAY_ACTOR_RESTART_NOTICE):
+            with quiet.stderr_without(quiet.RAY_ACTOR_RESTART_NOTICE, unsaid=f"[rcr-job] {unsaid_line(cfg)}"):
                 result = run(cfg)
     except ConfigError as e:
         print(f"[rcr-job] {e}", file=sys.stderr, flush=True)
@@ -263,6 +264,13 @@ def main(task: str | None = None, argv: list[str] | None = None) -> int:
     if argv is None:  # run as a command: a signal during Ray's teardown, after the job said how it ended, changes
         interrupt.closing()  # nothing (a caller's own process keeps its signals)
     return status
+
+
+def unsaid_line(cfg: JobConfig) -> str:
+    """The line said for a driver that died where it could say nothing (``quiet.stderr_without``)."""
+    return (f"the job's driver (pid {os.getpid()}) ended without a word: killed (SIGKILL, out of memory) or ended by "
+            "Ray's core worker when the driver's Ray went away. The part files written are whole, and its run record "
+            f"stays 'running' until the next job marks it 'died'; the same command resumes ({cfg.output_dir})")
 
 
 def _exit_status(result: dict[str, Any]) -> int:

@@ -71,8 +71,10 @@ def test_driver_sigkilled_mid_write_leaves_no_corrupt_part(job):
         assert len(list(out.glob(".tmp-*"))) == 1
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        said = proc.stdout.read()  # to its end: the stderr filter, which says the killed driver's line, exits last
     finally:
         _kill(proc)
+    assert f"[rcr-job] the job's driver (pid {proc.pid}) ended without a word" in said, said[-3000:]
     first = parts(out)  # every visible part reads back whole
     assert len(first) == 3
     done = set().union(*first.values())

@@ -13,15 +13,15 @@ RAY_LINE = ("[2026-01-01 00:00:00,000 E 1 1] core_worker.cc:2465: Actor with cla
             f"and ID: 'ab' {RAY_ACTOR_RESTART_NOTICE}. If the arguments in the object store go out of scope ...")
 
 
-def _run(inside: list[str], after: list[str] = ()) -> subprocess.CompletedProcess:
-    """A fresh interpreter runs the statements ``inside`` in ``stderr_without(RAY_ACTOR_RESTART_NOTICE)``, then
-    ``after``."""
+def _run(inside: list[str], after: list[str] = (), unsaid: str | None = None) -> subprocess.CompletedProcess:
+    """A fresh interpreter runs the statements ``inside`` in ``stderr_without(RAY_ACTOR_RESTART_NOTICE,
+    unsaid=unsaid)``, then ``after``."""
     code = "\n".join([
         "import os, signal, sys",
         "from pipeline.quiet import stderr_without, RAY_ACTOR_RESTART_NOTICE",
         f"RAY_LINE = {RAY_LINE!r}",
         'print("out before", flush=True)',
-        "with stderr_without(RAY_ACTOR_RESTART_NOTICE):",
+        f"with stderr_without(RAY_ACTOR_RESTART_NOTICE, unsaid={unsaid!r}):",
         *(f"    {line}" for line in inside), *after])
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
 
@@ -45,6 +45,20 @@ def test_an_error_written_just_before_the_process_is_killed_still_comes_out():
               "os.kill(os.getpid(), signal.SIGKILL)"])
     assert r.returncode == -9
     assert r.stderr.splitlines() == ["the last error before the crash"]
+
+
+def test_a_process_that_dies_without_a_word_gets_its_line():
+    """The fault soak's `ray stop` of a plain job's private Ray: Ray's core worker ended the driver at once (its
+    plasma store gone, exit 1), where Python could say nothing. The filter says the driver's line for it; a block
+    that ends in Python, normally or by an exception, leaves it unsaid."""
+    unsaid = "[rcr-job] the job's driver ended without a word"
+    killed = _run(['os.write(2, b"a line without its end")', "os._exit(1)"], unsaid=unsaid)  # as Ray's C++ exit
+    assert killed.returncode == 1
+    assert killed.stderr.splitlines() == ["a line without its end", unsaid]
+    normal = _run(['os.write(2, b"a line without its end")'], ['print("after", file=sys.stderr)'], unsaid=unsaid)
+    assert normal.returncode == 0 and normal.stderr.splitlines() == ["a line without its end", "after"]
+    raised = _run(['raise SystemExit("the job said why")'], unsaid=unsaid)
+    assert raised.returncode == 1 and unsaid not in raised.stderr and "the job said why" in raised.stderr
 
 
 def test_the_read_stage_function_imports_no_torch():

@@ -144,7 +144,8 @@ def stderr_without(*notices: str, drain_s: float = 10.0, unsaid: str | None = No
     try:
         yield
     finally:
-        os.write(2, _SAID)  # Python is here: whatever happened, it says so itself
+        with contextlib.suppress(OSError):  # the filter gone: nothing to tell it
+            os.write(2, _SAID)  # Python is here: whatever happened, it says so itself
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)

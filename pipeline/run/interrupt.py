@@ -85,7 +85,7 @@ def interruptible() -> Iterator[None]:
     resend = _Resender()
 
     def handler(signum, frame):
-        if _held_back(frame):
+        if held_back(frame):
             resend.ask(signum)
             return
         resend.ask(0)
@@ -101,7 +101,7 @@ def interruptible() -> Iterator[None]:
         else:
             before(unraisable)
 
-    def _held_back(frame) -> bool:
+    def held_back(frame) -> bool:
         """Whether ``frame``, or a frame that called it, runs the logging package's code or ``dropped``."""
         while frame is not None:
             if frame.f_code is dropped.__code__ or os.path.dirname(frame.f_code.co_filename) == _LOGGING_DIR:

@@ -135,7 +135,8 @@ def _run(cfg: JobConfig, store: OutputStore, state: JobState) -> dict[str, Any]:
     store.write_run_record(run_id, record)
     state.record = record
 
-    progress = Progress(plan.n_todo_pairs, n_samples_todo, cfg.progress_every_s)
+    progress = Progress(plan.n_todo_pairs, n_samples_todo, cfg.progress_every_s,
+                        batch=f"{min(cfg.batch_size, len(plan.todo) or 1)} sample(s) x {len(plan.methods)} method(s)")
     writer = PartWriter(store, run_id, {(k, m) for k, m in record["planned"]}, progress, t_start)
     status, error = "ok", None
     try:

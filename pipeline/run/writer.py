@@ -24,8 +24,9 @@ class Progress:
     thread (:meth:`heartbeat`) every ``every_s`` while the model stage runs, so the cadence stays steady
     when rows arrive in bursts."""
 
-    def __init__(self, total_pairs: int, total_samples: int, every_s: float):
+    def __init__(self, total_pairs: int, total_samples: int, every_s: float, batch: str = "a batch"):
         self.total_pairs, self.total_samples, self.every_s = total_pairs, total_samples, every_s
+        self.batch = batch  # what one batch holds, e.g. "2 sample(s) x 11 method(s)": rows arrive that many at a time
         self.pairs = 0
         self.samples: set[str] = set()
         self.errors = 0
@@ -67,8 +68,9 @@ class Progress:
             self.last = now
             el = now - self.t0
             if self.pairs == 0:
-                say(f"progress: 0/{self.total_pairs} rows, waiting for the first batch (the actors load the "
-                    f"model first), {el:.0f}s elapsed")
+                say(f"progress: 0/{self.total_pairs} rows, waiting for the first batch (each actor loads the "
+                    f"model and calibrates what its methods need, then returns up to {self.batch} at once), "
+                    f"{el:.0f}s elapsed")
                 return
             rate = len(self.samples) / el if el > 0 else 0.0
             left = self.total_samples - len(self.samples)

@@ -57,6 +57,10 @@ def test_a_batch_slower_than_ray_datas_no_progress_timeout_finishes(tmp_path):
         wait_until(lambda: (tmp_path / "gate.waiting").exists())  # the actor holds its batch
         seen = len(lines)
         wait_until(lambda: sum(ln.startswith("[rcr-job] progress:") for ln in lines[seen:]) >= 5)
+        held = [ln for ln in lines[seen:] if ln.startswith("[rcr-job] progress:")]
+        # the line says what the wait is for: one batch of the job's samples x methods comes back at once
+        assert all("0/4 rows, waiting for the first batch" in ln and "returns up to 2 sample(s) x 2 method(s) at once"
+                   in ln for ln in held), held
         gate.touch()
         assert proc.wait(timeout=600) == 0, "".join(lines)[-3000:]
     finally:

@@ -179,10 +179,11 @@ def test_progress_says_it_waits_until_the_first_batch_then_counts(capsys):
     """Before any row arrives (the actors are loading the model) the line says so instead of a 0.00 rate."""
     from pipeline.run.writer import Progress as _Progress
 
-    p = _Progress(total_pairs=4, total_samples=2, every_s=60)
+    p = _Progress(total_pairs=4, total_samples=2, every_s=60, batch="2 sample(s) x 2 method(s)")
     p.report(force=True)
     waiting = capsys.readouterr().out
     assert "0/4 rows, waiting for the first batch" in waiting and "samples/s" not in waiting
+    assert "returns up to 2 sample(s) x 2 method(s) at once" in waiting  # why no row comes for so long
     p.update(pa.table({"sample_id": ["a", "a"], "error": pa.array([None, "bad"], pa.string())}), force=True)
     line = capsys.readouterr().out
     assert "progress: 2/4 rows, 1/2 samples, 1 error rows" in line and "samples/s" in line and "ETA" in line

@@ -19,6 +19,8 @@ import os
 import shlex
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -82,28 +84,35 @@ class _Recorder:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
+Progress = Callable[[str], None]  # told after each prompt's prefill, e.g. "pass 1 of 2: prompt 3 of 8 (2353 tokens)"
+
+
 @torch.no_grad()
-def _run(model, inputs_list, recorder) -> None:
+def _run(model, inputs_list, recorder, what: str, progress: Progress | None) -> None:
     adapter = adapter_for(model)
     with rcr_attention_enabled(model):
-        for inputs in inputs_list:
+        for i, inputs in enumerate(inputs_list):
             inputs = inputs.to(model.device)
             pos, _ = adapter.prefill_positions(model, inputs)
             model(**inputs, position_ids=pos, use_cache=False, rcr_hook=recorder, logits_to_keep=1)
+            if progress is not None:
+                progress(f"{what}: prompt {i + 1} of {len(inputs_list)} ({inputs['input_ids'].shape[1]} tokens)")
 
 
 @torch.no_grad()
-def calibrate(model, inputs_list: list, partial_ratio: float = 0.25, window: int = 32) -> tuple[list, list, dict]:
+def calibrate(model, inputs_list: list, partial_ratio: float = 0.25, window: int = 32,
+              progress: Progress | None = None) -> tuple[list, list, dict]:
     """(skews[l] (Hkv, d, d), cols[l] (Hkv, c), stats) from prefills of ``inputs_list`` (processor outputs of
-    batch 1): the queries of each prompt's last ``window`` tokens (``RCRConfig.window``) and the keys before them."""
+    batch 1): the queries of each prompt's last ``window`` tokens (``RCRConfig.window``) and the keys before them.
+    Two prefills per prompt; ``progress`` is told after each (a real-size model on a CPU takes minutes each)."""
     geo = geometry(model)
     rec = _Recorder(geo.n_kv_heads, window)
-    _run(model, inputs_list, rec)
+    _run(model, inputs_list, rec, "pass 1 of 2 (Gram matrices)", progress)
     skews = [skew_from_grams(*rec.acc[layer]).cpu() for layer in range(geo.n_layers)]
     for layer, a in enumerate(skews):
         check_orthogonal(a, f"skew matrix of layer {layer}")
     rec2 = _Recorder(geo.n_kv_heads, window, skews)
-    _run(model, inputs_list, rec2)
+    _run(model, inputs_list, rec2, "pass 2 of 2 (partial columns)", progress)
     c = n_partial(partial_ratio, geo.head_dim)
     cols = [partial_columns(*rec2.acc[layer], c).cpu() for layer in range(geo.n_layers)]
     stats = {"n_prompts": len(inputs_list), "n_tokens": rec.tokens, "query_window": window, "partial_columns": c,
@@ -112,14 +121,14 @@ def calibrate(model, inputs_list: list, partial_ratio: float = 0.25, window: int
 
 
 def calibrate_to_dir(model, inputs_list: list, out_dir: str, partial_ratio: float = 0.25, window: int = 32,
-                     meta: dict | None = None) -> dict:
+                     meta: dict | None = None, progress: Progress | None = None) -> dict:
     """:func:`calibrate`, then write ``out_dir`` (``rcr.skewing.save_calibration``) with ``calibration.json`` =
     ``meta`` (its ``description`` is what decodes report) plus the partial ratio, the dtype, the library versions,
     the time, and, for a model loaded from a local directory, the digest of its weights (``model_sha256``: the
     directory's calibration is used only for those weights). Returns that meta."""
     import transformers
 
-    skews, cols, stats = calibrate(model, inputs_list, partial_ratio, window)
+    skews, cols, stats = calibrate(model, inputs_list, partial_ratio, window, progress)
     src = getattr(model, "name_or_path", None)
     meta = {**(meta or {}), "partial_ratio": partial_ratio, "dtype": str(next(model.parameters()).dtype),
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -177,9 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         source = {"synthetic_scenes": {"n": args.n, "seed": args.seed, "size": args.image_size}}
         description = f"{args.n} synthetic scenes of rcr.calibrate_infinigen (seed {args.seed}, {args.image_size} px)"
     inputs_list = [build_inputs(processor, [args.prompt], [[img]]) for img in images]
+    t0 = time.perf_counter()
+
+    def progress(line: str) -> None:
+        print(f"[calibrate] {line}, {time.perf_counter() - t0:.0f}s elapsed", flush=True)
+
     stats = calibrate_to_dir(model, inputs_list, args.out, args.partial_ratio, meta={
         "command": "python -m rcr.calibrate_infinigen " + shlex.join(argv), "cwd": os.getcwd(), "model": args.model,
-        "prompt": args.prompt, "source": source, "description": f"offline: {description}"})
+        "prompt": args.prompt, "source": source, "description": f"offline: {description}"}, progress=progress)
     print(f"wrote {os.path.join(os.path.abspath(args.out), 'infinigen.safetensors')}: {stats['n_layers']} layers x "
           f"{stats['n_kv_heads']} KV heads, skew {stats['head_dim']}x{stats['head_dim']}, "
           f"{stats['partial_columns']} partial columns, {stats['n_tokens']} tokens from {stats['n_prompts']} prompts")

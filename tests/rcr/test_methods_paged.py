@@ -3,6 +3,8 @@ selections, ArkVale's page cache, InfiniGen's skew and speculation, per-layer th
 registered method keeps, no host sync, compiled == eager, budget >= prefix == full and the rest, are in
 test_method_contracts.py.)"""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -373,7 +375,7 @@ def test_new_methods_are_registered():
         assert name in rcr.METHODS and parse_method(name).name == name
 
 
-def test_calibrate_infinigen_cli_records_its_command(tmp_path):
+def test_calibrate_infinigen_cli_records_its_command_and_says_its_progress(tmp_path, capsys):
     import json
 
     from rcr.calibrate_infinigen import main
@@ -383,6 +385,10 @@ def test_calibrate_infinigen_cli_records_its_command(tmp_path):
     proc.save_pretrained(tmp_path / "model")
     argv = ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "cal"), "--n", "2", "--image-size", "112"]
     assert main(argv) == 0
+    said = [re.fullmatch(r"\[calibrate\] pass (\d) of 2 \(.+\): prompt (\d) of 2 \(\d+ tokens\), \d+s elapsed", ln)
+            for ln in capsys.readouterr().out.splitlines() if ln.startswith("[calibrate] ")]
+    # one line after each of the two passes' prefills (minutes each at real size on a CPU)
+    assert [m and m.groups() for m in said] == [(p, i) for p in "12" for i in "12"]
     with open(tmp_path / "cal" / "calibration.json") as f:
         meta = json.load(f)
     assert meta["command"].startswith("python -m rcr.calibrate_infinigen --model ")

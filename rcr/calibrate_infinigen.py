@@ -84,7 +84,7 @@ class _Recorder:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
-Progress = Callable[[str], None]  # told after each prompt's prefill, e.g. "pass 1 of 2: prompt 3 of 8 (2353 tokens)"
+Progress = Callable[[str], None]  # told after each prefill: "pass 1 of 2 (Gram matrices): prompt 3 of 8 (2353 tokens)"
 
 
 @torch.no_grad()

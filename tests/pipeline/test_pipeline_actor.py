@@ -176,7 +176,8 @@ def test_offload_bytes_reach_the_output_rows(tmp_path):
 
 
 def test_progress_says_it_waits_until_the_first_batch_then_counts(capsys):
-    """Before any row arrives (the actors are loading the model) the line says so instead of a 0.00 rate."""
+    """Before any row arrives (the actors load the model, calibrate, run a batch) the line says so, and what one
+    batch holds, instead of a 0.00 rate."""
     from pipeline.run.writer import Progress as _Progress
 
     p = _Progress(total_pairs=4, total_samples=2, every_s=60, batch="2 sample(s) x 2 method(s)")

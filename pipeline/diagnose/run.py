@@ -121,7 +121,8 @@ def probes(cfg: JobConfig, rows: list, picks: dict[str, str]):
         groups.append(picks[r.key])
     device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
     with quiet.quiet_model_loading():
-        model, processor = load(cfg.model_path(), device=device, trust_remote_code=cfg.trust_remote_code)
+        model, processor = load(cfg.model_path(), device=device, dtype=cfg.dtype_on(device),
+                                trust_remote_code=cfg.trust_remote_code)  # the job's dtype: the same answers
     limit_image_tokens(processor, cfg.max_image_tokens)  # the job's cap (--max-image-tokens), so the same prompts
     model.set_attn_implementation("eager")  # the attention weights are materialised only by the eager path
     rcfg = RCRConfig(**cfg.rcr)

@@ -212,10 +212,7 @@ class SampleEvaluator:
             raise RuntimeError("device=cuda but this worker sees no CUDA device "
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         self.device = "cuda" if (want in ("auto", "cuda") and torch.cuda.is_available()) else "cpu"
-        dtype = self.cfg.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device == "cuda" else "float32"
-        self.dtype = dtype
+        self.dtype = dtype = self.cfg.dtype_on(self.device)
         t0 = time.perf_counter()
         self.engine = _import_engine(self.cfg.engine)(self.cfg, self.device, dtype)
         if calibration is not None:

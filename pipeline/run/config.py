@@ -221,6 +221,13 @@ class JobConfig:
         blob = json.dumps(payload, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
+    def dtype_on(self, device: str) -> str:
+        """The model dtype on ``device`` ("cuda" or "cpu"): ``dtype``, where ``auto`` is bfloat16 on a GPU and
+        float32 on a CPU (not the checkpoint's own dtype). The actors and the premise check's probes load with it."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device == "cuda" else "float32"
+
     def model_path(self) -> str:
         """What the loader gets: the embedded model's directory, or the name/path as given."""
         if is_embedded(self.model):

@@ -218,6 +218,30 @@ def test_it_runs_on_a_tiny_model_of_every_family(name, tmp_path, monkeypatch, ca
     assert np.isfinite(metrics["exact_minus_bacon"]) and any(k.startswith("image_share_layer") for k in metrics)
 
 
+def test_the_probes_load_the_model_in_the_jobs_dtype(tmp_path, monkeypatch, capsys):
+    """The probes answer the job's samples again: with the job's --dtype, as its actors load the model, not the
+    checkpoint's own (a float32 tiny checkpoint here, run at --dtype bfloat16)."""
+    import rcr.models
+    from pipeline.diagnose.run import run
+
+    loaded: list[str] = []
+    real_load = rcr.models.load
+
+    def load(*args, dtype="auto", **kw):
+        loaded.append(str(dtype).removeprefix("torch."))
+        return real_load(*args, dtype=dtype, **kw)
+
+    monkeypatch.setattr(rcr.models, "load", load)
+    inline_driver.install(monkeypatch.setattr)
+    shard = write_shard(tmp_path / "shards" / "part-0.parquet", records(3))
+    cfg, _ = job_config(["--model", str(family_dir(tmp_path, "qwen2_vl")), "--shards", str(shard), "--max-new-tokens",
+                         "4", "--output-dir", str(tmp_path / "out"), "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}",
+                         "--device", "cpu", "--dtype", "bfloat16", "--rcr", "window=8", "--rcr", "selected=4"])
+    assert run(cfg, probe_samples=1) == 0
+    assert "probes: greedy answers" in capsys.readouterr().out
+    assert len(loaded) >= 2 and set(loaded) == {"bfloat16"}, loaded  # the actor's load, then the probes'
+
+
 def test_a_long_probe_stage_says_where_it_is_while_it_runs(monkeypatch):
     """A stage whose item takes longer than --progress-every-s still prints: a heartbeat line with the items
     finished so far while the next one runs, then one line when the stage ends. The item here waits until the
